@@ -35,10 +35,11 @@ class PlanError(OverbrainerError):
     """The plan is invalid. Carries every problem found, not only the first."""
 
     def __init__(self, source: str, problems: list[str]):
+        """`problems` are whole lines, each starting with its own ``file:line:``."""
         self.source = source
-        self.problems = list(problems)
+        self.problems = [p if p.startswith(source) else f"{source}: {p}" for p in problems]
         if len(self.problems) == 1:
-            message = f"{source}: {self.problems[0]}"
+            message = self.problems[0]
         else:
             lines = "\n".join(f"  - {p}" for p in self.problems)
             message = f"{source}: {len(self.problems)} problems\n{lines}"

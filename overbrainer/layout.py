@@ -1,0 +1,63 @@
+"""The run folder, ``runs/<name>/``: every file a run has, named in one place.
+
+=====================  ==============================================================
+``plan.json``          every resolved setting, inputs pinned by content hash
+``examples.parquet``   the conversations, with their split (``id, split, messages, source``)
+``config.yaml``        the trainer's configuration, in Axolotl's format
+``run.json``           the run's state and its process
+``metrics.jsonl``      one line per logged step
+``log.txt``            the trainer's own output
+``checkpoints/``       ``step-NNNNNN/`` folders (see ``trainers/checkpoint.py``)
+``merged/``            the adapter merged into the base model (HF safetensors)
+``baked/``             the model people use, with its model card
+``attic/``             outputs of an older fingerprint, moved aside instead of deleted
+``.stamps/``           one stamp per finished step (``stamps.py``)
+``.doit.db``           doit's own state (sqlite3); losing it costs a few stats
+``.hashes.json``       the content-hash cache
+``.lock``              held by the process that bakes this folder
+=====================  ==============================================================
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["RunFolder", "runs_root", "RUNS_ENV"]
+
+RUNS_ENV = "OVERBRAINER_RUNS"
+
+
+def runs_root() -> Path:
+    """Where run folders live: ``$OVERBRAINER_RUNS``, else ``runs/`` where the command runs."""
+    return Path(os.environ.get(RUNS_ENV) or "runs").absolute()
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    root: Path
+
+    @property
+    def name(self) -> str:
+        return self.root.name
+
+    plan_json = property(lambda self: self.root / "plan.json")
+    examples = property(lambda self: self.root / "examples.parquet")
+    config = property(lambda self: self.root / "config.yaml")
+    run_json = property(lambda self: self.root / "run.json")
+    metrics = property(lambda self: self.root / "metrics.jsonl")
+    log = property(lambda self: self.root / "log.txt")
+    checkpoints = property(lambda self: self.root / "checkpoints")
+    merged = property(lambda self: self.root / "merged")
+    baked = property(lambda self: self.root / "baked")
+    attic = property(lambda self: self.root / "attic")
+    stamps = property(lambda self: self.root / ".stamps")
+    doit_db = property(lambda self: self.root / ".doit.db")
+    hash_cache = property(lambda self: self.root / ".hashes.json")
+    lock = property(lambda self: self.root / ".lock")
+    stop_request = property(lambda self: self.root / "stop")
+    stopped_marker = property(lambda self: self.root / "stopped.json")
+
+    def stamp(self, step: str) -> Path:
+        return self.stamps / f"{step}.json"

@@ -1,0 +1,239 @@
+"""The plan: what model to start from, what conversations to learn, how to train, what to make.
+
+A plan is a JSON file. It is validated once, here, into typed settings; every default lives
+in this module and nowhere else. Errors are all reported at once, each with the field's
+path, the line of the plan file where it is, and a fix (a typo gets "did you mean ...").
+
+Paths in a plan (``data``, a local ``base``) are relative to the plan file's folder.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import PlanError
+
+__all__ = ["Plan", "SplitSettings", "TrainSettings", "Schedule", "BakeSettings", "load_plan"]
+
+BAKE_FORMATS = ("safetensors",)
+TRAINERS = ("builtin",)
+
+
+class _Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SplitSettings(_Settings):
+    """How conversations are split into train and validation."""
+
+    validation: Annotated[float, Field(ge=0, lt=1)] | Annotated[int, Field(ge=0)] = Field(
+        default=0.1,
+        description="A fraction of the conversations (0.1), or a count of them (20).",
+    )
+    seed: int = Field(default=0, description="Mixed into each conversation's hash to pick the split.")
+
+    @field_validator("validation", mode="before")
+    @classmethod
+    def _not_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError("must be a fraction like 0.1 or a count like 20, not true/false")
+        return value
+
+
+class Schedule(_Settings):
+    """A warmup-stable-decay learning-rate schedule, as fractions of the training steps."""
+
+    warmup: float = Field(default=0.1, ge=0, le=1, description="Linear warmup from 0.")
+    decay: float = Field(default=0.2, ge=0, le=1, description="Linear decay to 0 at the end.")
+
+    @model_validator(mode="after")
+    def _fits(self) -> Schedule:
+        if self.warmup + self.decay > 1:
+            raise ValueError(
+                f"warmup + decay is {self.warmup + self.decay:g}, more than the whole run; "
+                "make their sum at most 1"
+            )
+        return self
+
+
+class TrainSettings(_Settings):
+    """How to train."""
+
+    trainer: Literal["builtin"] = "builtin"
+    adapter: Literal["lora", "full"] = "lora"
+    lora_r: int = Field(default=16, gt=0, le=4096)
+    lora_alpha: int = Field(default=32, gt=0, le=65536)
+    lora_dropout: float = Field(default=0.0, ge=0, lt=1)
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1
+    )
+    steps: int | None = Field(default=None, gt=0, le=10_000_000)
+    epochs: float | None = Field(default=None, gt=0, le=100_000)
+    micro_batch_size: int = Field(default=4, gt=0, le=65536)
+    gradient_accumulation_steps: int = Field(default=1, gt=0, le=65536)
+    sequence_len: int = Field(default=512, ge=8, le=1_048_576)
+    learning_rate: float = Field(default=2e-4, gt=0, le=10)
+    weight_decay: float = Field(default=0.0, ge=0, le=10)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    schedule: Schedule = Field(default_factory=Schedule)
+    save_every: int = Field(default=50, gt=0, description="Steps between checkpoints.")
+    eval_every: int = Field(default=50, gt=0, description="Steps between validation losses.")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _one_length(self) -> TrainSettings:
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("set either steps or epochs, not both")
+        return self
+
+
+class BakeSettings(_Settings):
+    """What to make from the merged model."""
+
+    formats: list[Literal["safetensors"]] = Field(default_factory=lambda: ["safetensors"], min_length=1)
+
+
+class Plan(_Settings):
+    """A fine-tune, declared."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")]
+    base: Annotated[str, Field(min_length=1)]
+    data: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+    split: SplitSettings = Field(default_factory=SplitSettings)
+    train: TrainSettings = Field(default_factory=TrainSettings)
+    bake: BakeSettings = Field(default_factory=BakeSettings)
+
+    @property
+    def data_files(self) -> list[str]:
+        return [self.data] if isinstance(self.data, str) else list(self.data)
+
+
+# ---------------------------------------------------------------------------------------
+# Reading a plan file, and saying what is wrong with it
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and validate a plan file. Raises PlanError with every problem found."""
+    path = Path(path)
+    shown = str(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise PlanError(shown, ["no such plan file; check the path"]) from None
+    except IsADirectoryError:
+        raise PlanError(shown, ["is a folder, not a plan file; give the path of a .json plan"]) from None
+    except OSError as e:
+        raise PlanError(shown, [f"cannot read it ({e.strerror}); check its permissions"]) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise PlanError(f"{shown}:{line}", ["is not UTF-8 text; save the plan as UTF-8"]) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlanError(f"{shown}:{e.lineno}", [f"invalid JSON ({e.msg}, column {e.colno}); fix the syntax"]) from None
+    except RecursionError:
+        raise PlanError(shown, ["is nested too deeply to be a plan; a plan is a few levels deep"]) from None
+    if not isinstance(data, dict):
+        raise PlanError(shown, [f"must be a JSON object with name, base, data, ...; it is a {type(data).__name__}"])
+    data.setdefault("name", _default_name(path))
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as e:
+        raise PlanError(shown, _problems(e, text, shown)) from None
+
+
+def _problems(error: ValidationError, text: str, shown: str) -> list[str]:
+    # a union field (split.validation, data) fails once per member: say it once
+    seen, problems = set(), []
+    for err in error.errors():
+        field = tuple(str(p) for p in err["loc"] if not _is_union_tag(p))
+        if field not in seen:
+            seen.add(field)
+            problems.append(_describe(err, text, shown))
+    return problems
+
+
+def _default_name(path: Path) -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", path.stem).strip("-._") or "plan"
+    return name[:100]
+
+
+def _field_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
+    paths = []
+    for name, info in model.model_fields.items():
+        full = f"{prefix}{name}"
+        paths.append(full)
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            paths.extend(_field_paths(annotation, f"{full}."))
+    return paths
+
+
+_FIXES = {
+    "missing": "add it",
+    "extra_forbidden": "remove it",
+}
+
+
+def _describe(err: dict, text: str, shown: str) -> str:
+    loc = [str(p) for p in err["loc"] if not _is_union_tag(p)]
+    field = ".".join(loc) or "(plan)"
+    line = _line_of(text, loc)
+    where = f"{shown}:{line}: " if line else f"{shown}: "
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        known = _field_paths(Plan)
+        parent = ".".join(loc[:-1])
+        siblings = [p.rsplit(".", 1)[-1] for p in known if p.rsplit(".", 1)[0] == parent and "." in p] if parent else [
+            p for p in known if "." not in p
+        ]
+        guess = difflib.get_close_matches(loc[-1], siblings, n=1, cutoff=0.6)
+        if not guess:
+            # a setting put at the wrong level: "learning_rate" at the top is train.learning_rate
+            leaf = [p for p in known if p.rsplit(".", 1)[-1] == loc[-1]]
+            anywhere = leaf or difflib.get_close_matches(field, known, n=1, cutoff=0.75)
+            if anywhere:
+                return f"{where}{field}: unknown setting; did you mean {anywhere[0]}?"
+            return f"{where}{field}: unknown setting; remove it (known here: {', '.join(siblings)})"
+        suggestion = f"{parent}.{guess[0]}" if parent else guess[0]
+        return f"{where}{field}: unknown setting; did you mean {suggestion}?"
+    if kind == "missing":
+        return f"{where}{field}: required; add it"
+    message = err["msg"]
+    for prefix, replacement in (("Value error, ", ""), ("Input should be", "should be")):
+        if message.startswith(prefix):
+            message = replacement + message[len(prefix):]
+    if kind == "string_pattern_mismatch" and loc == ["name"]:
+        message = "must be letters, digits, '.', '_' or '-' (it names the run folder)"
+    if kind == "literal_error" and loc[:2] == ["bake", "formats"]:
+        message = f"unknown format {err.get('input')!r}; supported: {', '.join(BAKE_FORMATS)}"
+    if kind == "literal_error" and loc == ["train", "trainer"]:
+        message = f"unknown trainer {err.get('input')!r}; supported: {', '.join(TRAINERS)}"
+    fix = _FIXES.get(kind, "")
+    return f"{where}{field}: {message}" + (f"; {fix}" if fix else "")
+
+
+def _is_union_tag(part: Any) -> bool:
+    # pydantic names the union member it tried ("float", "int", "list[...]"): not a field
+    return isinstance(part, str) and (part in {"float", "int", "str"} or "[" in part or "constrained" in part)
+
+
+def _line_of(text: str, loc: list[str]) -> int | None:
+    """The line of the deepest key of `loc` found in the plan text, searching in order."""
+    pos, found = 0, None
+    for part in loc:
+        if part.isdigit():
+            continue
+        match = re.compile(r'"' + re.escape(part) + r'"\s*:').search(text, pos)
+        if not match:
+            break
+        pos, found = match.end(), match.start()
+    return text.count("\n", 0, found) + 1 if found is not None else None

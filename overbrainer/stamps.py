@@ -1,0 +1,145 @@
+"""Stamps: the record that a step finished, and the source of truth for what is up to date.
+
+A stamp is a small JSON file, ``<run>/.stamps/<step>.json``, written last and atomically
+(temp file + ``os.replace``) by the step that made its outputs::
+
+    {
+      "step": "train",
+      "version": 1,                    # the step's code version, part of the fingerprint
+      "fingerprint": "9f2c...",        # hash of everything the step read (see `fingerprint`)
+      "inputs": {...},                 # what went into the fingerprint, readable ("why")
+      "root": "",                      # where the outputs' paths start: "" is the run
+                                       # folder (so a moved or restored run still matches)
+      "outputs": [{"path": "checkpoints/step-000010/adapter_model.safetensors",
+                   "size": 1234, "mtime_ns": 1700000000000000000, "hash": "ab12..."}],
+      "summary": {...},                # what the step wants to tell (counts, losses)
+      "finished": "2026-12-02T14:00:00+00:00"
+    }
+
+A step is up to date when its stamp has the current fingerprint and every output still
+matches the manifest. Matching is by ``size`` and ``mtime_ns`` first (a stat, no read);
+only a file whose mtime changed is hashed, once (the hash cache keeps the answer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .hashing import HashCache, hash_bytes
+
+__all__ = ["Stamp", "fingerprint", "read_stamp", "write_stamp", "manifest", "verify", "outputs_digest"]
+
+
+@dataclass
+class Stamp:
+    step: str
+    version: int
+    fingerprint: str
+    inputs: dict
+    root: str
+    outputs: list[dict]
+    summary: dict = field(default_factory=dict)
+    finished: str = ""
+
+
+def fingerprint(step: str, version: int, inputs: dict) -> str:
+    """The identity of a step's work: its name, code version and every input it reads."""
+    return hash_bytes(canonical_json({"step": step, "version": version, "inputs": inputs}))
+
+
+def canonical_json(value) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def read_stamp(path: str | os.PathLike) -> Stamp | None:
+    """The stamp at `path`, or None when it is missing or unreadable (a torn or altered
+    stamp means "not done", never a crash)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        stamp = Stamp(**data)
+        if not isinstance(stamp.outputs, list) or not isinstance(stamp.fingerprint, str):
+            return None
+        return stamp
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def write_stamp(path: str | os.PathLike, stamp: Stamp) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stamp.finished = stamp.finished or datetime.now(timezone.utc).isoformat(timespec="seconds")
+    write_atomic(path, json.dumps(asdict(stamp), indent=1).encode())
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write a file so that readers see the old content or the new, never a torn one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def manifest(root: str | os.PathLike, entries: list[str], hashes: HashCache) -> list[dict]:
+    """Size, mtime and hash of every file under the given entries (files or folders,
+    relative to `root`), sorted by path. Hidden temp files are left out."""
+    root = Path(root)
+    files: list[Path] = []
+    for entry in entries:
+        p = root / entry
+        if p.is_dir():
+            files.extend(q for q in p.rglob("*") if q.is_file() and not q.name.startswith(".tmp"))
+        elif p.is_file():
+            files.append(p)
+    out = []
+    for p in sorted(set(files)):
+        st = p.stat()
+        out.append(
+            {
+                "path": p.relative_to(root).as_posix(),
+                "size": st.st_size,
+                "mtime_ns": st.st_mtime_ns,
+                "hash": hashes.hash(p, st),
+            }
+        )
+    return out
+
+
+def verify(stamp: Stamp, hashes: HashCache, run_dir: str | os.PathLike) -> str | None:
+    """None when every output still matches the stamp; else why not, in a few words.
+
+    A file with the manifest's size and mtime_ns is taken as unchanged, whatever its inode
+    (a run folder restored from a cache). One whose mtime changed is hashed, and the new
+    stat remembered by the hash cache, so that it is read once, not on every rerun.
+    """
+    root = Path(stamp.root) if stamp.root else Path(run_dir)
+    for entry in stamp.outputs:
+        p = root / entry["path"]
+        try:
+            st = p.stat()
+        except OSError:
+            return f"{entry['path']} is missing"
+        if st.st_size != entry["size"]:
+            return f"{entry['path']} changed size"
+        if st.st_mtime_ns == entry["mtime_ns"]:
+            continue
+        if hashes.hash(p, st) != entry["hash"]:
+            return f"{entry['path']} changed"
+    return None
+
+
+def outputs_digest(stamp: Stamp, under: str | None = None) -> str:
+    """One hash for the content of a stamp's outputs (optionally only those under a path):
+    what a downstream step's fingerprint takes from it."""
+    items = [
+        f"{e['path']}:{e['hash']}"
+        for e in stamp.outputs
+        if under is None or e["path"] == under or e["path"].startswith(under.rstrip("/") + "/")
+    ]
+    return hash_bytes("\n".join(items).encode())
