@@ -8,6 +8,7 @@ Two families, kept apart because they mean different things to the user::
     ├── BaseModelError          the base model cannot be found, fetched or read
     └── RunStateError           a run folder is in a state the command cannot act on
     RunFailed                   the run itself ran and failed (training crashed)
+    RunStopped                  the run was stopped on request, with a checkpoint
 
 `OverbrainerError` exits with code 2, `RunFailed` with code 1. Both carry a one-line
 message meant to be printed as is, without a traceback.
@@ -22,6 +23,7 @@ __all__ = [
     "BaseModelError",
     "RunStateError",
     "RunFailed",
+    "RunStopped",
 ]
 
 
@@ -71,3 +73,9 @@ class RunFailed(Exception):
     def __init__(self, message: str, log_tail: str = ""):
         self.log_tail = log_tail
         super().__init__(message)
+
+
+class RunStopped(Exception):
+    """The run stopped on request after saving a checkpoint: not an error. Exit code 0."""
+
+    exit_code = 0

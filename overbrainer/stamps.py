@@ -143,3 +143,30 @@ def outputs_digest(stamp: Stamp, under: str | None = None) -> str:
         if under is None or e["path"] == under or e["path"].startswith(under.rstrip("/") + "/")
     ]
     return hash_bytes("\n".join(items).encode())
+
+
+def _flatten(value, prefix: str = "") -> dict[str, object]:
+    if isinstance(value, dict):
+        out: dict[str, object] = {}
+        for key, inner in value.items():
+            out.update(_flatten(inner, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): value}
+
+
+def diff_inputs(old: dict, new: dict) -> list[str]:
+    """What changed between two fingerprints' inputs, as "field: old → new" lines."""
+    before, after = _flatten(old or {}), _flatten(new)
+    changes = []
+    for key in sorted(set(before) | set(after)):
+        a, b = before.get(key, "(none)"), after.get(key, "(none)")
+        if a != b:
+            changes.append(f"{key}: {_short(a)} → {_short(b)}")
+    return changes
+
+
+def _short(value) -> str:
+    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value
+    if len(text) == 64 and all(c in "0123456789abcdef" for c in text):
+        return text[:12]  # a hash
+    return text if len(text) <= 60 else text[:57] + "..."

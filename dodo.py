@@ -1,0 +1,39 @@
+"""doit's entry: ``doit train plan=plans/x.json`` runs the same graph as ``overbrainer bake``.
+
+``doit list --all plan=...`` shows the steps (``train:split``, ``train:config``, ...);
+``doit info train:train plan=...`` tells why one would run.
+"""
+
+import sys
+
+from doit import get_var
+
+from overbrainer.errors import OverbrainerError
+
+PLAN = get_var("plan", None)
+BAKE = None
+DOIT_CONFIG = {"default_tasks": ["train"], "verbosity": 2}
+
+if PLAN:
+    from overbrainer.build import compile_bake, doit_config
+
+    try:
+        BAKE = compile_bake(PLAN)
+    except OverbrainerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    BAKE.folder.root.mkdir(parents=True, exist_ok=True)
+    DOIT_CONFIG = doit_config(BAKE)
+
+
+def task_train():
+    """bake a plan: doit train plan=plans/x.json"""
+    if BAKE is None:
+        yield {
+            "name": None,
+            "actions": [lambda: print("give the plan: doit train plan=plans/demo.json") and False],
+        }
+        return
+    from overbrainer.graph import doit_tasks
+
+    yield from doit_tasks(BAKE)

@@ -1,0 +1,190 @@
+"""A bake: a plan compiled for its run folder, and doit running its graph.
+
+`compile_bake` validates everything that can be checked without work (the plan, that its
+data files and base exist) so that a bad input fails before a run folder is even made.
+`run_bake` runs the graph with doit, one bake per run folder at a time, and returns what
+ran and what was already done.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from .base import BaseSpec, parse_base
+from .errors import OverbrainerError, RunStateError
+from .hashing import HashCache
+from .layout import RunFolder, runs_root
+from .plan import Plan, load_plan
+
+__all__ = ["Bake", "compile_bake", "run_bake", "dry_run", "doit_config"]
+
+
+@dataclass
+class Bake:
+    """Everything the steps read: the validated plan, where things are, and what happened."""
+
+    plan: Plan
+    plan_path: Path
+    folder: RunFolder
+    base: BaseSpec
+    data_paths: list[Path]
+    hashes: HashCache
+    out: TextIO = field(default_factory=lambda: sys.stdout)
+    quiet: bool = False
+    ran: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    error: BaseException | None = None
+
+    @property
+    def plan_dir(self) -> Path:
+        return self.plan_path.parent
+
+    def shown(self, path: Path) -> str:
+        """A path as the user wrote it: relative to where the command runs, when inside it."""
+        try:
+            return os.path.relpath(path)
+        except ValueError:
+            return str(path)
+
+    def say(self, message: str) -> None:
+        if not self.quiet:
+            print(message, file=self.out, flush=True)
+
+
+def compile_bake(plan_path: str | os.PathLike, runs: str | os.PathLike | None = None, **options) -> Bake:
+    plan_path = Path(plan_path).absolute()
+    plan = load_plan(plan_path)
+    shown_plan = os.path.relpath(plan_path) if not str(plan_path).startswith("..") else str(plan_path)
+    data_paths = []
+    for i, rel in enumerate(plan.data_files):
+        path = (plan_path.parent / rel).expanduser().absolute()
+        field_name = "data" if isinstance(plan.data, str) else f"data[{i}]"
+        if not path.is_file():
+            what = "is a folder" if path.is_dir() else "no such file"
+            raise OverbrainerError(
+                f"{shown_plan}: {field_name}: {rel!r} {what} (paths are relative to the plan file); fix the path"
+            )
+        data_paths.append(path)
+    base = parse_base(plan.base, plan_path.parent)
+    root = Path(runs).absolute() if runs else runs_root()
+    folder = RunFolder(root / plan.name)
+    return Bake(
+        plan=plan,
+        plan_path=plan_path,
+        folder=folder,
+        base=base,
+        data_paths=data_paths,
+        hashes=HashCache(folder.hash_cache),
+        **options,
+    )
+
+
+def doit_config(bake: Bake) -> dict:
+    return {
+        "dep_file": str(bake.folder.doit_db),
+        "backend": "sqlite3",
+        "default_tasks": ["train"],
+        "reporter": _reporter(bake),
+        "verbosity": 2,
+    }
+
+
+def run_bake(bake: Bake, task: str = "train") -> int:
+    """Run the graph (or the part of it up to `task`, e.g. ``train:split``). Returns doit's
+    exit code; what went wrong is on ``bake.error``."""
+    from doit.cmd_base import ModuleTaskLoader
+    from doit.doit_cmd import DoitMain
+
+    from .graph import doit_tasks
+
+    bake.folder.root.mkdir(parents=True, exist_ok=True)
+    with _exclusive(bake.folder):
+        namespace = {"task_train": lambda: doit_tasks(bake), "DOIT_CONFIG": doit_config(bake)}
+        return DoitMain(ModuleTaskLoader(namespace)).run(["run", task])
+
+
+def dry_run(bake: Bake) -> list[dict]:
+    """Each step, whether it would run, and why: nothing is run or written."""
+    from .graph import DEPS, STEPS
+    from .steps import check
+
+    rows, will_run = [], set()
+    for module in STEPS:
+        after = [d for d in DEPS[module.NAME] if d in will_run]
+        status = check(bake, module)
+        if status.up_to_date and not after:
+            rows.append({"step": module.NAME, "run": False, "why": "up to date"})
+            continue
+        will_run.add(module.NAME)
+        why = status.reason if status.fingerprint or not after else f"after {', '.join(after)}"
+        rows.append({"step": module.NAME, "run": True, "why": why})
+    return rows
+
+
+class _exclusive:
+    """One bake per run folder: an OS lock on ``.lock``, released when the process ends,
+    however it ends (a dead process cannot hold it)."""
+
+    def __init__(self, folder: RunFolder):
+        self.folder = folder
+
+    def __enter__(self):
+        import fcntl
+
+        self.fd = os.open(self.folder.lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            holder = _lock_holder(self.folder.lock)
+            raise RunStateError(
+                f"{self.folder.root}: already being baked{holder}; wait for it, or stop it first"
+            ) from None
+        os.ftruncate(self.fd, 0)
+        os.write(self.fd, str(os.getpid()).encode())
+        return self
+
+    def __exit__(self, *exc):
+        os.close(self.fd)
+
+
+def _lock_holder(lock: Path) -> str:
+    try:
+        pid = lock.read_text().strip()
+        return f" by process {pid}" if pid else ""
+    except OSError:
+        return ""
+
+
+def _reporter(bake: Bake):
+    """A doit reporter that speaks in steps and leaves error messages to the caller."""
+    from doit.reporter import ConsoleReporter
+
+    class BakeReporter(ConsoleReporter):
+        def execute_task(self, task):
+            pass
+
+        def skip_uptodate(self, task):
+            name = task.name.split(":", 1)[-1]
+            if ":" in task.name:
+                bake.skipped.append(name)
+
+        def skip_ignore(self, task):
+            pass
+
+        def add_failure(self, task, exception):
+            if bake.error is None:  # a failure doit found itself (a missing file_dep, ...)
+                bake.error = OverbrainerError(f"{task.name}: {exception.get_msg().strip().splitlines()[-1]}")
+
+        def complete_run(self):
+            # errors are told once, by the caller, as one line
+            if self.errors:
+                self.errors.clear()
+            if self.failures:
+                self.failures.clear()
+
+    return BakeReporter

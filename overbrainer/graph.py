@@ -1,0 +1,76 @@
+"""Plan → doit tasks: the one place that knows the order of the steps.
+
+::
+
+    plan.json ─► resolve ─► base  ─────────────┐
+                        └─► split ─► examples ─┴─► config ─► train ─► merge ─► bake
+
+Compiling is pure: it builds task dictionaries and reads nothing but stamps (when doit asks
+whether a task is up to date). Running them is doit's job (``build.py``, ``dodo.py``).
+Every task is a subtask of the group ``train``, so ``doit train plan=...`` runs it all, and
+``doit list --all`` shows ``train:split``, ``train:config``, ...
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING
+
+from .steps import action, check, config, merge, resolve, split, train
+from .steps import bake as bake_step
+from .steps import base as base_step
+
+if TYPE_CHECKING:
+    from .build import Bake
+
+__all__ = ["STEPS", "DEPS", "GROUP", "doit_tasks", "step"]
+
+GROUP = "train"
+STEPS = (resolve, base_step, split, config, train, merge, bake_step)
+DEPS: dict[str, tuple[str, ...]] = {
+    "resolve": (),
+    "base": ("resolve",),
+    "split": ("resolve",),
+    "config": ("base", "split"),
+    "train": ("config",),
+    "merge": ("train",),
+    "bake": ("merge",),
+}
+
+
+def step(name: str):
+    for module in STEPS:
+        if module.NAME == name:
+            return module
+    raise KeyError(name)
+
+
+def downstream(name: str) -> list[str]:
+    """Every step that reads, directly or not, what `name` writes, in order."""
+    out: list[str] = []
+    for module in STEPS:
+        if any(d == name or d in out for d in DEPS[module.NAME]):
+            out.append(module.NAME)
+    return out
+
+
+def _up_to_date(bake: Bake, module) -> bool:
+    return check(bake, module).up_to_date
+
+
+def doit_tasks(bake: Bake):
+    """The doit task dictionaries of a bake, in order."""
+    folder = bake.folder
+    for module in STEPS:
+        yield {
+            "basename": GROUP,
+            "name": module.NAME,
+            "doc": (module.__doc__ or "").strip().splitlines()[0],
+            "actions": [(action, [bake, module])],
+            "file_dep": [str(folder.stamp(d)) for d in DEPS[module.NAME]],
+            "targets": [str(folder.stamp(module.NAME))],
+            "uptodate": [partial(_up_to_date, bake, module)],
+            # `doit clean` removes the stamps only: outputs stay (checkpoints are expensive)
+            "clean": True,
+            "verbosity": 2,
+        }

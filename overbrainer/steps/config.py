@@ -1,0 +1,130 @@
+"""Write the trainer's configuration, config.yaml, in Axolotl's own format.
+
+Both trainers read this file; nothing the built-in trainer needs lives only in memory.
+Paths in it are relative to the run folder (the trainer runs there), except ``base_model``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
+
+from ..stamps import outputs_digest, write_atomic
+from . import Outputs, upstream
+
+if TYPE_CHECKING:
+    from ..build import Bake
+    from ..plan import TrainSettings
+
+NAME = "config"
+VERSION = 1
+TARGETS = ["config.yaml"]
+
+
+def inputs(bake: Bake) -> dict:
+    split, base = upstream(bake, "split"), upstream(bake, "base")
+    return {
+        "train": bake.plan.train.model_dump(mode="json"),
+        "examples": outputs_digest(split),
+        "train_rows": split.summary["train"],
+        "base": outputs_digest(base),
+        "base_folder": base.summary["folder"],
+    }
+
+
+def schedule_steps(train: TrainSettings, train_rows: int) -> dict:
+    """Steps of the run and of each schedule phase (warmup, stable, decay)."""
+    per_step = train.micro_batch_size * train.gradient_accumulation_steps
+    if train.steps is not None:
+        steps = train.steps
+    else:
+        steps = max(1, math.ceil((train.epochs or 1.0) * train_rows / per_step))
+    warmup = round(train.schedule.warmup * steps)
+    decay = min(round(train.schedule.decay * steps), steps - warmup)
+    return {"max_steps": steps, "warmup": warmup, "stable": steps - warmup - decay, "decay": decay}
+
+
+def special_tokens(base_folder: Path) -> dict:
+    """End-of-turn and padding tokens, as the base model's tokenizer names them; a model
+    without a pad token pads with its end-of-turn token (padding is never trained)."""
+    try:
+        tok = json.loads((base_folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        tok = {}
+
+    def name(value):
+        return value.get("content") if isinstance(value, dict) else value
+
+    eos, pad = name(tok.get("eos_token")), name(tok.get("pad_token"))
+    out = {}
+    if eos:
+        out["eos_token"] = eos
+    if pad or eos:
+        out["pad_token"] = pad or eos
+    return out
+
+
+def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: dict) -> dict:
+    lora = train.adapter == "lora"
+    cfg = {
+        "base_model": base_folder,
+        "chat_template": "tokenizer_default",
+        "special_tokens": tokens,
+        "datasets": [
+            {
+                "path": "examples.parquet",
+                "ds_type": "parquet",
+                "type": "chat_template",
+                "field_messages": "messages",
+                "roles_to_train": ["assistant"],
+                "train_on_eos": "turn",
+            }
+        ],
+        "val_set_size": 0.0,
+        "sequence_len": train.sequence_len,
+        "sample_packing": False,
+        "adapter": "lora" if lora else None,
+        "lora_r": train.lora_r if lora else None,
+        "lora_alpha": train.lora_alpha if lora else None,
+        "lora_dropout": train.lora_dropout if lora else None,
+        "lora_target_modules": list(train.lora_target_modules) if lora else None,
+        "micro_batch_size": train.micro_batch_size,
+        "gradient_accumulation_steps": train.gradient_accumulation_steps,
+        "max_steps": steps["max_steps"],
+        "optimizer": "adamw_torch",
+        "learning_rate": train.learning_rate,
+        "weight_decay": train.weight_decay,
+        "max_grad_norm": train.max_grad_norm,
+        "lr_scheduler": "warmup_stable_decay",
+        "lr_scheduler_kwargs": {
+            "num_stable_steps": steps["stable"],
+            "num_decay_steps": steps["decay"],
+            "warmup_type": "linear",
+            "decay_type": "linear",
+            "min_lr_ratio": 0.0,
+        },
+        "warmup_steps": steps["warmup"],
+        "output_dir": "checkpoints",
+        "save_steps": train.save_every,
+        "eval_steps": train.eval_every,
+        "seed": train.seed,
+        "train_on_inputs": False,
+        "bf16": False,
+        "fp16": False,
+        "tf32": False,
+        "flash_attention": False,
+    }
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def run(bake: Bake, inputs: dict) -> Outputs:
+    steps = schedule_steps(bake.plan.train, inputs["train_rows"])
+    base_folder = inputs["base_folder"]
+    cfg = build_config(bake.plan.train, base_folder, steps, special_tokens(Path(base_folder)))
+    header = f"# written by overbrainer from {bake.shown(bake.plan_path)}; edits are overwritten\n"
+    write_atomic(bake.folder.config, (header + yaml.safe_dump(cfg, sort_keys=False)).encode())
+    return Outputs(["config.yaml"], summary=steps)

@@ -1,0 +1,91 @@
+"""Merge the final adapter into the base model: merged/, HF safetensors + tokenizer."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..stamps import outputs_digest
+from . import Outputs, upstream
+
+if TYPE_CHECKING:
+    from ..build import Bake
+
+NAME = "merge"
+VERSION = 1
+TARGETS = ["merged/"]
+
+
+def inputs(bake: Bake) -> dict:
+    train, base, config = upstream(bake, "train"), upstream(bake, "base"), upstream(bake, "config")
+    last = train.summary["checkpoint"]
+    return {
+        "checkpoint": outputs_digest(train, f"checkpoints/{last}"),
+        "checkpoint_name": last,
+        "base": outputs_digest(base),
+        "base_folder": base.summary["folder"],
+        "config": outputs_digest(config),
+        "adapter": bake.plan.train.adapter,
+    }
+
+
+def run(bake: Bake, inputs: dict) -> Outputs:
+    import yaml
+
+    cfg = yaml.safe_load(bake.folder.config.read_text())
+    checkpoint = bake.folder.checkpoints / inputs["checkpoint_name"]
+    bake.say(f"merge: {bake.shown(checkpoint)} into the base model")
+    merge_into(
+        Path(inputs["base_folder"]), checkpoint, bake.folder.merged, cfg.get("special_tokens") or {}, lora=inputs["adapter"] == "lora"
+    )
+    return Outputs(["merged"])
+
+
+def merge_into(base_folder: Path, checkpoint: Path, dest: Path, special_tokens: dict, lora: bool) -> None:
+    """Write base + adapter (or a full checkpoint) as one HF model folder at `dest`,
+    through a temp folder renamed into place."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    tmp = dest.with_name(f".tmp-{dest.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if lora:
+        from peft import PeftModel
+
+        model = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+        model = PeftModel.from_pretrained(model, checkpoint).merge_and_unload()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(base_folder)
+    for key, value in special_tokens.items():
+        setattr(tokenizer, key, value)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    replace_folder(tmp, dest)
+
+
+def replace_folder(new: Path, dest: Path) -> None:
+    """Put folder `new` at `dest`: the old one is renamed away first, then removed, so that
+    `dest` is at every moment absent or complete."""
+    for p in new.iterdir():
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    old = dest.with_name(f".old-{dest.name}")
+    if dest.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dest, old)
+    os.replace(new, dest)
+    shutil.rmtree(old, ignore_errors=True)

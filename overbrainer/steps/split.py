@@ -1,0 +1,37 @@
+"""Validate the conversations and split them into train and validation: examples.parquet."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..data import split_conversations
+from . import Outputs
+from .resolve import data_pins
+
+if TYPE_CHECKING:
+    from ..build import Bake
+
+NAME = "split"
+VERSION = 1
+TARGETS = ["examples.parquet"]
+
+
+def inputs(bake: Bake) -> dict:
+    return {"split": bake.plan.split.model_dump(mode="json"), "data": data_pins(bake)}
+
+
+def run(bake: Bake, inputs: dict) -> Outputs:
+    names = {p: bake.shown(p) for p in bake.data_paths}
+    summary = split_conversations(
+        bake.data_paths,
+        bake.folder.examples,
+        validation=bake.plan.split.validation,
+        seed=bake.plan.split.seed,
+        display_names=names,
+    )
+    s = summary.as_dict()
+    bake.say(
+        f"split: {s['rows']} conversations ({s['train']} train, {s['validation']} validation), "
+        f"{s['duplicates']} duplicates dropped"
+    )
+    return Outputs(["examples.parquet"], summary=s)

@@ -1,0 +1,165 @@
+"""Train: run the trainer in its own process, from the last checkpoint of this fingerprint.
+
+Checkpoints made under another fingerprint (an older learning rate, other data) are moved
+to ``attic/`` before training starts, never deleted: a trained model is expensive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
+
+from ..errors import RunFailed, RunStopped
+from ..stamps import fingerprint, outputs_digest
+from ..trainers import checkpoint as ckpt
+from . import NotReady, Outputs, upstream
+
+if TYPE_CHECKING:
+    from ..build import Bake
+
+NAME = "train"
+VERSION = 1
+TARGETS = ["checkpoints/", "metrics.jsonl", "log.txt"]
+
+
+def inputs(bake: Bake) -> dict:
+    split, base = upstream(bake, "split"), upstream(bake, "base")
+    upstream(bake, "config")
+    try:
+        cfg = yaml.safe_load(bake.folder.config.read_text())
+    except (OSError, yaml.YAMLError):
+        raise NotReady("config") from None
+    # the run is what the config says, with the base model known by its content rather
+    # than by where the cache put it: a cache moved elsewhere retrains nothing
+    cfg["base_model"] = outputs_digest(base)
+    return {"config": cfg, "examples": outputs_digest(split)}
+
+
+def run(bake: Bake, inputs: dict) -> Outputs:
+    folder = bake.folder
+    fp = fingerprint(NAME, VERSION, inputs)
+    set_aside_other_runs(folder.root, folder.checkpoints, fp)
+    max_steps = inputs["config"]["max_steps"]
+    code = launch(bake, fp, max_steps)
+    if code != 0:
+        raise RunFailed(
+            f"training failed (exit code {code}); the end of {bake.shown(folder.log)}:",
+            log_tail=tail(folder.log, 15),
+        )
+    if folder.stopped_marker.exists():
+        step = json.loads(folder.stopped_marker.read_text()).get("step")
+        raise RunStopped(f"stopped at step {step} of {max_steps}; run the same bake again to resume")
+    done = ckpt.complete(folder.checkpoints)
+    if not done or done[-1][0] != max_steps:
+        raise RunFailed(f"the trainer ended without its final checkpoint (step {max_steps})", tail(folder.log, 15))
+    meta = ckpt.read_meta(done[-1][1])
+    summary = {
+        "steps": max_steps,
+        "checkpoint": done[-1][1].name,
+        "loss": meta["loss"],
+        "eval_loss": meta["eval_loss"],
+        "tokens": meta["tokens"],
+        "seconds": meta["seconds"],
+        "tokens_per_second": round(meta["tokens"] / max(meta["seconds"], 1e-9), 1),
+    }
+    return Outputs(["checkpoints", "metrics.jsonl"], summary=summary)
+
+
+def set_aside_other_runs(run_dir: Path, checkpoints: Path, fp: str) -> None:
+    """Move checkpoints (and their metrics) of another fingerprint to attic/."""
+    done = ckpt.complete(checkpoints)
+    others = [p for _, p in done if ckpt.read_meta(p).get("fingerprint") != fp]
+    if not others:
+        return
+    old = ckpt.read_meta(others[-1]).get("fingerprint") or "unknown"
+    when = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    dest = run_dir / "attic" / f"{when}-{old[:8]}"
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(checkpoints), str(dest / "checkpoints"))
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        shutil.move(str(metrics), str(dest / "metrics.jsonl"))
+
+
+def trainer_command(config: Path) -> list[str]:
+    return [sys.executable, "-m", "overbrainer.trainers.loop", str(config)]
+
+
+def launch(bake: Bake, fp: str, max_steps: int) -> int:
+    """Run the trainer with its output appended to log.txt, printing its metric lines as
+    they come. The trainer dies with this process (it is not a detached run)."""
+    folder = bake.folder
+    env = dict(os.environ, OVERBRAINER_FINGERPRINT=fp, PYTHONUNBUFFERED="1")
+    seen = _line_count(folder.metrics)
+    with open(folder.log, "ab") as log:
+        log.write(f"--- {datetime.now(timezone.utc).isoformat(timespec='seconds')} train\n".encode())
+        log.flush()
+        proc = subprocess.Popen(
+            trainer_command(folder.config),
+            cwd=folder.root,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
+        while True:
+            code = proc.poll()
+            seen = _report_new_lines(bake, folder.metrics, seen, max_steps)
+            if code is not None:
+                return code
+            time.sleep(0.2)
+
+
+def _report_new_lines(bake: Bake, metrics: Path, seen: int, max_steps: int) -> int:
+    try:
+        lines = metrics.read_text().splitlines()
+    except OSError:
+        return seen
+    if len(lines) < seen:  # truncated by a resume
+        seen = len(lines)
+    for raw in lines[seen:]:
+        try:
+            m = json.loads(raw)
+        except ValueError:
+            break  # a line still being written
+        seen += 1
+        rate = m["tokens"] / max(m["seconds"], 1e-9)
+        ev = f"  eval {m['eval_loss']:.4f}" if m.get("eval_loss") is not None else ""
+        bake.say(f"  step {m['step']}/{max_steps}  loss {m['loss']:.4f}{ev}  lr {m['lr']:.2e}  {rate:.0f} tok/s  {m['phase']}")
+    return seen
+
+
+def _line_count(path: Path) -> int:
+    try:
+        return len(path.read_text().splitlines())
+    except OSError:
+        return 0
+
+
+def _die_with_parent() -> None:
+    """Linux: the trainer gets SIGKILL when the process that started it dies."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def tail(path: Path, lines: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

@@ -1,0 +1,117 @@
+"""Checkpoints: what is saved at a step, and how it is written so it is never half there.
+
+``checkpoints/step-NNNNNN/`` holds, after N optimizer steps::
+
+    adapter_model.safetensors   the LoRA weights (PEFT's layout: loadable with
+    adapter_config.json         PeftModel.from_pretrained on the base model)
+    model.safetensors           instead of the two above, for a full fine-tune
+    config.json                 (full fine-tune only) the model's config
+    trainer_state.pt            optimizer, scheduler and every RNG state: exact resume.
+                                Tensors, numbers and strings only: read with
+                                torch.load(weights_only=True)
+    meta.json                   the readable sidecar: step, steps, phase, decayed, loss,
+                                eval_loss, tokens, seconds, data position, fingerprint
+
+It is written into ``checkpoints/.tmp-step-NNNNNN-<pid>/``, every file fsynced, then renamed
+into place: a folder named ``step-*`` with a ``meta.json`` is complete. Temp folders left by
+a killed process are removed when training starts again, never read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+META = "meta.json"
+STATE = "trainer_state.pt"
+
+
+def step_dir(checkpoints: Path, step: int) -> Path:
+    return checkpoints / f"step-{step:06d}"
+
+
+def complete(checkpoints: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints, oldest first."""
+    out = []
+    if checkpoints.is_dir():
+        for p in checkpoints.iterdir():
+            if p.is_dir() and p.name.startswith("step-") and (p / META).is_file():
+                try:
+                    out.append((int(p.name[5:]), p))
+                except ValueError:
+                    continue
+    return sorted(out)
+
+
+def read_meta(folder: Path) -> dict:
+    return json.loads((folder / META).read_text())
+
+
+def remove_partial(checkpoints: Path) -> None:
+    if checkpoints.is_dir():
+        for p in checkpoints.iterdir():
+            if p.name.startswith(".tmp-"):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(checkpoints: Path, step: int, model, optimizer, scheduler, meta: dict) -> Path:
+    """Write checkpoint `step` atomically. `model` is the PEFT model (LoRA) or the model."""
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    final = step_dir(checkpoints, step)
+    tmp = checkpoints / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    # PEFT writes the adapter alone; a plain model writes its weights and config
+    model.save_pretrained(tmp, safe_serialization=True)
+    torch.save(
+        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
+        tmp / STATE,
+    )
+    (tmp / META).write_text(json.dumps(meta, indent=1))
+    _fsync_tree(tmp)
+    if final.exists():
+        # only a rerun of the very same step can meet its own folder: the new one replaces it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(checkpoints)
+    return final
+
+
+def load_state(folder: Path) -> dict:
+    return torch.load(folder / STATE, weights_only=True, map_location="cpu")
+
+
+def _fsync_tree(folder: Path) -> None:
+    for p in folder.iterdir():
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

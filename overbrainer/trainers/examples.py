@@ -1,0 +1,134 @@
+"""Conversations → token ids and labels, and the deterministic order they are trained in.
+
+Loss is taken on assistant turns only: each assistant message's content and its end-of-turn
+token. The chat template is rendered once per conversation; the assistant spans are found
+as character ranges by rendering the prefixes, and mapped onto tokens with the tokenizer's
+offsets, so the token boundaries are those of the whole text (never of pieces glued).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+IGNORE = -100
+
+
+@dataclass
+class Example:
+    ids: list[int]
+    labels: list[int]
+
+    @property
+    def loss_tokens(self) -> int:
+        return sum(1 for x in self.labels if x != IGNORE)
+
+
+class TemplateError(Exception):
+    pass
+
+
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of its assistant turns."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    eos = tokenizer.eos_token
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant" or i == 0:
+            continue
+        prefix = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not (text.startswith(prefix) and text.startswith(upto) and len(upto) > len(prefix)):
+            raise TemplateError(
+                "the chat template does not render a conversation as the sum of its turns"
+            )
+        end = len(upto)
+        if eos:
+            # train the end-of-turn token, not what the template puts after it ("\n")
+            at = text.rfind(eos, len(prefix), end)
+            if at >= 0:
+                end = at + len(eos)
+        spans.append((len(prefix), end))
+    return text, spans
+
+
+def tokenize(tokenizer, messages: list[dict], max_len: int) -> Example:
+    text, spans = assistant_spans(tokenizer, messages)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    labels = []
+    k = 0
+    for token, (start, _end) in zip(ids, offsets):
+        while k < len(spans) and start >= spans[k][1]:
+            k += 1
+        inside = k < len(spans) and spans[k][0] <= start < spans[k][1]
+        labels.append(token if inside else IGNORE)
+    return Example(ids[:max_len], labels[:max_len])
+
+
+def load_examples(path: Path, tokenizer, max_len: int) -> tuple[list[Example], list[Example], int]:
+    """Train and validation examples from examples.parquet, and how many were dropped
+    because truncation to `max_len` left them no assistant token."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path, columns=["split", "messages"])
+    train, validation, dropped = [], [], 0
+    for split, messages in zip(table.column("split").to_pylist(), table.column("messages").to_pylist()):
+        example = tokenize(tokenizer, messages, max_len)
+        if example.loss_tokens == 0:
+            dropped += 1
+            continue
+        (train if split == "train" else validation).append(example)
+    return train, validation, dropped
+
+
+class Order:
+    """Which examples each optimizer step trains on, from the seed and the step alone.
+
+    Epoch e is a permutation of the train examples drawn from ``seed`` and ``e``; the
+    examples are consumed in that sequence, ``per_step`` at a time, across epoch
+    boundaries. Step k's examples depend on nothing but k: resuming needs no data state.
+    """
+
+    def __init__(self, n: int, per_step: int, seed: int):
+        self.n, self.per_step, self.seed = n, per_step, seed
+        self._perms: dict[int, list[int]] = {}
+
+    def _perm(self, epoch: int) -> list[int]:
+        if epoch not in self._perms:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perms = {epoch: torch.randperm(self.n, generator=g).tolist()}
+        return self._perms[epoch]
+
+    def step(self, k: int) -> list[int]:
+        """Indices of the examples of step k (0-based)."""
+        out = []
+        for p in range(k * self.per_step, (k + 1) * self.per_step):
+            out.append(self._perm(p // self.n)[p % self.n])
+        return out
+
+    def position(self, k: int) -> dict:
+        p = k * self.per_step
+        return {"epoch": p // self.n, "index": p % self.n}
+
+
+def micro_batches(examples: list[Example], size: int) -> list[list[Example]]:
+    """Split one step's examples into micro-batches of similar length (less padding).
+    The step's loss is normalized by all its loss tokens, so the grouping changes no math."""
+    ordered = sorted(examples, key=lambda e: -len(e.ids))
+    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+
+
+def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(e.ids) for e in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, e in enumerate(batch):
+        n = len(e.ids)
+        ids[row, :n] = torch.tensor(e.ids)
+        labels[row, :n] = torch.tensor(e.labels)
+        mask[row, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}

@@ -1,0 +1,290 @@
+"""The built-in trainer: one training loop, run as its own process.
+
+    python -m overbrainer.trainers.loop RUN_DIR/config.yaml
+
+Everything it needs is in ``config.yaml`` (Axolotl's keys) and ``examples.parquet``; its
+output goes to ``metrics.jsonl``, ``checkpoints/`` and stdout (the caller's ``log.txt``).
+Run again after any interruption, it continues from the newest complete checkpoint and
+ends with the same weights, bit for bit, as a run that never stopped (on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from . import checkpoint as ckpt
+from .examples import IGNORE, Order, collate, load_examples, micro_batches
+
+STOP_EXIT = 0  # a stop on request is a success: the stopped marker says it was not the end
+
+
+def phase_of(step_index: int, warmup: int, stable: int) -> str:
+    """The schedule phase of the 0-based optimizer step `step_index`."""
+    if step_index < warmup:
+        return "warmup"
+    if step_index < warmup + stable:
+        return "stable"
+    return "decay"
+
+
+def train(config_path: Path) -> int:
+    cfg = yaml.safe_load(config_path.read_text())
+    run_dir = config_path.parent
+    checkpoints = run_dir / cfg["output_dir"]
+    metrics_path = run_dir / "metrics.jsonl"
+    stop_request, stopped_marker = run_dir / "stop", run_dir / "stopped.json"
+    fingerprint = os.environ.get("OVERBRAINER_FINGERPRINT", "")
+
+    max_steps = cfg["max_steps"]
+    mbs, gas = cfg["micro_batch_size"], cfg["gradient_accumulation_steps"]
+    warmup = cfg["warmup_steps"]
+    stable = cfg["lr_scheduler_kwargs"]["num_stable_steps"]
+    decay = cfg["lr_scheduler_kwargs"]["num_decay_steps"]
+    save_every, eval_every = cfg["save_steps"], cfg["eval_steps"]
+
+    torch.manual_seed(cfg["seed"])
+    model, tokenizer = load_model(cfg)
+    examples_path = run_dir / cfg["datasets"][0]["path"]
+    train_set, val_set, dropped = load_examples(examples_path, tokenizer, cfg["sequence_len"])
+    if not train_set:
+        print("no training example has an assistant token within sequence_len", flush=True)
+        return 3
+    if dropped:
+        print(f"{dropped} conversations dropped: nothing of the assistant left within sequence_len", flush=True)
+    order = Order(len(train_set), mbs * gas, cfg["seed"])
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg["learning_rate"], weight_decay=cfg["weight_decay"])
+    scheduler = make_schedule(optimizer, warmup, stable, decay)
+
+    step, tokens, seconds = 0, 0, 0.0
+    last = {"loss": None, "eval_loss": None}
+    ckpt.remove_partial(checkpoints)
+    done = ckpt.complete(checkpoints)
+    if done:
+        step, folder = done[-1]
+        meta = ckpt.read_meta(folder)
+        load_weights(model, folder, cfg)
+        state = ckpt.load_state(folder)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        ckpt.set_rng_state(state["rng"])
+        tokens, seconds = meta["tokens"], meta["seconds"]
+        last = {"loss": meta.get("loss"), "eval_loss": meta.get("eval_loss")}
+        print(f"resuming from {folder.name} (step {step} of {max_steps})", flush=True)
+    saved_step = step if done else None
+
+    def save_checkpoint(k: int) -> None:
+        nonlocal saved_step
+        phase = phase_of(k - 1, warmup, stable) if k else "warmup"
+        meta = {
+            "step": k,
+            "steps": max_steps,
+            "phase": phase,
+            # a checkpoint before the decay is not annealed: compare such ones with each
+            # other, not with the final model
+            "decayed": phase == "decay" or k == max_steps,
+            "loss": last["loss"],
+            "eval_loss": last["eval_loss"],
+            "lr": scheduler.get_last_lr()[0],
+            "tokens": tokens,
+            "seconds": round(seconds, 3),
+            "data": order.position(k),
+            "fingerprint": fingerprint,
+            "adapter": cfg.get("adapter") or "full",
+            "base_model": cfg["base_model"],
+        }
+        ckpt.save(checkpoints, k, model, optimizer, scheduler, meta)
+        saved_step = k
+
+    truncate_metrics(metrics_path, step)
+    stopped_marker.unlink(missing_ok=True)
+    print(
+        f"training {sum(p.numel() for p in params):,} parameters on {len(train_set)} conversations "
+        f"({len(val_set)} for validation), {max_steps} steps of {mbs}x{gas}",
+        flush=True,
+    )
+
+    model.train()
+    started = time.monotonic() - seconds
+    while step < max_steps:
+        # a stop asked by `overbrainer stop`: save where we are, say so, end
+        if stop_request.exists():
+            if saved_step != step:
+                save_checkpoint(step)
+            stopped_marker.write_text(json.dumps({"step": step, "steps": max_steps}))
+            print(f"stopped at step {step} on request", flush=True)
+            return STOP_EXIT
+
+        lr = scheduler.get_last_lr()[0]
+        phase = phase_of(step, warmup, stable)
+        batch = [train_set[i] for i in order.step(step)]
+        loss_tokens = sum(e.loss_tokens for e in batch)
+
+        # micro-steps: each micro-batch's summed loss over the step's loss tokens, so the
+        # gradient is that of the whole step whatever the micro-batching
+        step_loss = 0.0
+        for micro in micro_batches(batch, mbs):
+            inputs = collate(micro, pad_id)
+            loss = token_loss(model, inputs) / loss_tokens
+            loss.backward()
+            step_loss += loss.item()
+            tokens += int(inputs["attention_mask"].sum())
+
+        torch.nn.utils.clip_grad_norm_(params, cfg["max_grad_norm"])
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+
+        line = {"step": step, "tokens": tokens, "loss": round(step_loss, 6), "lr": lr}
+        if step % eval_every == 0 or step == max_steps:
+            line["eval_loss"] = round(evaluate(model, val_set, mbs, pad_id), 6) if val_set else None
+            last["eval_loss"] = line["eval_loss"]
+        seconds = time.monotonic() - started
+        line.update(seconds=round(seconds, 3), phase=phase)
+        last["loss"] = line["loss"]
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        print(
+            f"step {step}/{max_steps} loss {step_loss:.4f}"
+            + (f" eval {line['eval_loss']:.4f}" if line.get("eval_loss") is not None else "")
+            + f" lr {lr:.3g} {tokens / max(seconds, 1e-9):.0f} tok/s",
+            flush=True,
+        )
+
+        if step % save_every == 0 or step == max_steps:
+            save_checkpoint(step)
+
+    return 0
+
+
+# -- helpers beside the loop -------------------------------------------------------------
+
+
+def token_loss(model, inputs: dict) -> torch.Tensor:
+    """The summed cross-entropy over the positions that have a label.
+
+    The output layer runs only where loss is taken: with assistant-only loss that is a
+    fraction of the positions, and the vocabulary projection is the largest matmul of a
+    small model.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = base.get_decoder()(
+        input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]
+    ).last_hidden_state
+    targets = inputs["labels"][:, 1:]
+    where = targets != IGNORE
+    logits = base.get_output_embeddings()(hidden[:, :-1][where])
+    return F.cross_entropy(logits.float(), targets[where], reduction="sum")
+
+
+@torch.no_grad()
+def evaluate(model, examples, mbs: int, pad_id: int) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    for micro in micro_batches(examples, mbs):
+        inputs = collate(micro, pad_id)
+        total += token_loss(model, inputs).item()
+        count += sum(e.loss_tokens for e in micro)
+    model.train()
+    return total / max(count, 1)
+
+
+def make_schedule(optimizer, warmup: int, stable: int, decay: int):
+    from transformers import get_wsd_schedule
+
+    return get_wsd_schedule(
+        optimizer,
+        num_warmup_steps=warmup,
+        num_stable_steps=stable,
+        num_decay_steps=decay,
+        warmup_type="linear",
+        decay_type="linear",
+        min_lr_ratio=0.0,
+    )
+
+
+def load_model(cfg: dict):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    base = cfg["base_model"]
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    for key, value in (cfg.get("special_tokens") or {}).items():
+        setattr(tokenizer, key, value)
+    model = AutoModelForCausalLM.from_pretrained(
+        base, dtype=torch.float32, attn_implementation="sdpa", trust_remote_code=bool(cfg.get("trust_remote_code"))
+    )
+    model.config.use_cache = False
+    if cfg.get("adapter") == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=cfg["lora_r"],
+            lora_alpha=cfg["lora_alpha"],
+            lora_dropout=cfg["lora_dropout"],
+            target_modules=cfg["lora_target_modules"],
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora)
+    return model, tokenizer
+
+
+def load_weights(model, folder: Path, cfg: dict) -> None:
+    """Put a checkpoint's trained weights into the freshly built model, exactly."""
+    if cfg.get("adapter") == "lora":
+        from peft import set_peft_model_state_dict
+        from peft.utils import load_peft_weights
+
+        result = set_peft_model_state_dict(model, load_peft_weights(str(folder), device="cpu"))
+        unexpected = getattr(result, "unexpected_keys", [])
+        if unexpected:
+            raise RuntimeError(f"{folder}: adapter weights do not fit the model: {unexpected[:3]}")
+    else:
+        from safetensors.torch import load_file
+
+        state = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            state.update(load_file(f))
+        model.load_state_dict(state, strict=False)
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines past the checkpoint we resume from (they will be logged again)."""
+    if not path.exists():
+        return
+    keep = []
+    for raw in path.read_text().splitlines():
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            continue  # a line torn by a kill
+        if record.get("step", 0) <= step and "step" in record:
+            keep.append(raw)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(k + "\n" for k in keep))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m overbrainer.trainers.loop RUN_DIR/config.yaml", file=sys.stderr)
+        return 2
+    return train(Path(argv[0]).absolute())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
