@@ -324,7 +324,7 @@ def _json_array_rows(data: bytes, name: str) -> Iterator[tuple[int, object]]:
 
 def _parquet_rows(path: Path, name: str) -> Iterator[tuple[int, object]]:
     try:
-        parquet = pq.ParquetFile(path)
+        parquet = pq.ParquetFile(path, pre_buffer=False)
     except OSError as error:
         if isinstance(error, (FileNotFoundError, IsADirectoryError, PermissionError)):
             raise _open_error(name, error) from None
@@ -353,7 +353,9 @@ def _parquet_rows(path: Path, name: str) -> Iterator[tuple[int, object]]:
     number = 0
     try:
         for batch in parquet.iter_batches(
-            batch_size=BATCH_ROWS, columns=[c for c in _PARQUET_COLUMNS if c in columns]
+            batch_size=BATCH_ROWS,
+            columns=[c for c in _PARQUET_COLUMNS if c in columns],
+            use_threads=False,  # no read-ahead: see _add_split
         ):
             for row in batch.to_pylist():
                 number += 1
@@ -534,7 +536,7 @@ def split_conversations(
     """
     out = Path(out)
     display_names = display_names or {}
-    names = [display_names.get(f, str(f)) for f in files]
+    names = [display_names.get(f) or display_names.get(Path(f)) or str(f) for f in files]
     where = ", ".join(names) if names else str(out)
     count = _check_validation(validation, where)
     if not files:
@@ -550,7 +552,7 @@ def split_conversations(
     tmp = out.with_name(f".{out.name}.{token}.tmp")
     stage = out.with_name(f".{out.name}.{token}.stage.tmp")
     try:
-        if count is None:
+        if not count:  # a fraction (or no validation at all): each row's split is known at once
             summary = _write_rows(files, names, tmp, SCHEMA, seed, fraction=float(validation))
         else:
             summary, scores, tokens = _write_rows(
@@ -560,9 +562,11 @@ def split_conversations(
                 raise DataError(
                     where,
                     None,
-                    f"split.validation asks for {count} validation conversations but there are only "
-                    f"{summary.rows} distinct ones, which would leave none to train on",
-                    f"set split.validation to a count below {summary.rows}, or to a fraction such as 0.1",
+                    f"split.validation asks for {count} validation conversations but the data "
+                    f"has only {summary.rows} distinct {_plural(summary.rows)}, which would leave "
+                    "none to train on",
+                    f"set split.validation to at most {summary.rows - 1}, or to a fraction such "
+                    "as 0.1, or add conversations",
                 )
             _add_split(stage, tmp, _smallest(scores, count), tokens, summary)
             stage.unlink()
@@ -570,8 +574,8 @@ def split_conversations(
             raise DataError(
                 where,
                 None,
-                f"split.validation {validation} puts all {summary.rows} conversations in "
-                "validation, which leaves none to train on",
+                f"split.validation {validation} puts all {summary.rows} "
+                f"{_plural(summary.rows)} in validation, which leaves none to train on",
                 "set split.validation to a smaller fraction, or add conversations",
             )
         os.replace(tmp, out)
@@ -580,6 +584,10 @@ def split_conversations(
             leftover.unlink(missing_ok=True)
         raise
     return summary
+
+
+def _plural(n: int) -> str:
+    return "conversation" if n == 1 else "conversations"
 
 
 def _check_validation(validation: float | int, where: str) -> int | None:
@@ -724,7 +732,11 @@ def _add_split(
     ``mask``, and fill in the summary's train/validation counts."""
     position = 0
     with pq.ParquetWriter(target, SCHEMA) as writer:
-        for batch in pq.ParquetFile(stage).iter_batches(batch_size=BATCH_ROWS):
+        # no pre-buffering, no threads: both read ahead, holding many row groups in memory
+        batches = pq.ParquetFile(stage, pre_buffer=False).iter_batches(
+            batch_size=BATCH_ROWS, use_threads=False
+        )
+        for batch in batches:
             chunk = mask[position : position + batch.num_rows]
             split = pa.array(["validation" if v else "train" for v in chunk], pa.string())
             writer.write_batch(
