@@ -18,7 +18,7 @@ if PLAN:
     from overbrainer.build import compile_bake, doit_config
 
     try:
-        BAKE = compile_bake(PLAN)
+        BAKE = compile_bake(PLAN, tell_errors=True)
     except OverbrainerError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)

@@ -512,6 +512,7 @@ def _download_hub(spec: BaseSpec, out: Path, log: Callable) -> dict:
     from huggingface_hub import HfApi, constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
+        HfHubHTTPError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
@@ -539,7 +540,13 @@ def _download_hub(spec: BaseSpec, out: Path, log: Callable) -> dict:
         raise BaseModelError(
             f"{where}: no such repository on the hub (or it is private: set HF_TOKEN); fix the id"
         ) from e
-    except Exception as e:  # connection refused, timeout, proxy, DNS, 5xx...
+    except HfHubHTTPError as e:  # it answered, but not with the model
+        status = e.response.status_code if e.response is not None else "an error"
+        raise BaseModelError(
+            f"{where}: the hub at {endpoint or constants.ENDPOINT} answered {status}; "
+            "check the id, the revision and HF_TOKEN, or set HF_ENDPOINT"
+        ) from e
+    except Exception as e:  # connection refused, timeout, proxy, DNS...
         raise BaseModelError(
             f"{cannot} (offline? {type(e).__name__}); {elsewhere}, or set HF_ENDPOINT"
         ) from e
@@ -559,6 +566,12 @@ def _download_hub(spec: BaseSpec, out: Path, log: Callable) -> dict:
             f"{cannot} ({type(e).__name__}: {_first_line(e)}); {elsewhere}, or rerun"
         ) from e
     shutil.rmtree(out / ".cache", ignore_errors=True)  # huggingface_hub's local_dir bookkeeping
+    if not any(out.glob("*.safetensors")):
+        raise BaseModelError(
+            f"{where}: the repository has no *.safetensors weights at {info.sha[:12]}, and only "
+            "safetensors are loaded; pick a revision or repo that has them, or convert it "
+            "elsewhere and set base to the local folder"
+        )
     _check_folder(out, spec.source)
     return {"commit": info.sha}
 

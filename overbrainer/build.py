@@ -38,6 +38,7 @@ class Bake:
     ran: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     error: BaseException | None = None
+    tell_errors: bool = False  # the doit reporter prints the error (under `doit`, no CLI)
 
     @property
     def plan_dir(self) -> Path:
@@ -169,22 +170,24 @@ def _reporter(bake: Bake):
             pass
 
         def skip_uptodate(self, task):
-            name = task.name.split(":", 1)[-1]
             if ":" in task.name:
-                bake.skipped.append(name)
+                bake.skipped.append(task.name.split(":", 1)[1])
 
         def skip_ignore(self, task):
             pass
 
-        def add_failure(self, task, exception):
-            if bake.error is None:  # a failure doit found itself (a missing file_dep, ...)
-                bake.error = OverbrainerError(f"{task.name}: {exception.get_msg().strip().splitlines()[-1]}")
+        def add_failure(self, task, fail):
+            if bake.error is None:  # a failure doit found itself, not one of a step's
+                bake.error = OverbrainerError(f"{task.name}: {fail.get_msg().strip().splitlines()[-1]}")
 
         def complete_run(self):
-            # errors are told once, by the caller, as one line
-            if self.errors:
-                self.errors.clear()
-            if self.failures:
-                self.failures.clear()
+            # a step's error is told once, as one line: by the CLI, or here under `doit`
+            if bake.error is not None and bake.tell_errors:
+                self.write(f"error: {bake.error}\n")
+                tail = getattr(bake.error, "log_tail", "")
+                if tail:
+                    self.write(tail + "\n")
+            if self.runtime_errors:
+                self.write("\n".join(self.runtime_errors) + "\n")
 
     return BakeReporter

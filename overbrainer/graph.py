@@ -2,8 +2,13 @@
 
 ::
 
-    plan.json ─► resolve ─► base  ─────────────┐
-                        └─► split ─► examples ─┴─► config ─► train ─► merge ─► bake
+    plan ─► resolve ─► plan.json (every setting, every input pinned)
+    plan ─► base  ─► the base model (cache) ─┐
+    plan ─► split ─► examples.parquet ───────┴─► config ─► config.yaml ─► train ─► checkpoints/
+                                                      ─► merge ─► merged/ ─► bake ─► baked/
+
+A step depends on the steps whose outputs it reads: base and split read only the plan and
+its input files, so editing a training setting never makes them wait for anything.
 
 Compiling is pure: it builds task dictionaries and reads nothing but stamps (when doit asks
 whether a task is up to date). Running them is doit's job (``build.py``, ``dodo.py``).
@@ -29,8 +34,8 @@ GROUP = "train"
 STEPS = (resolve, base_step, split, config, train, merge, bake_step)
 DEPS: dict[str, tuple[str, ...]] = {
     "resolve": (),
-    "base": ("resolve",),
-    "split": ("resolve",),
+    "base": (),
+    "split": (),
     "config": ("base", "split"),
     "train": ("config",),
     "merge": ("train",),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..data import split_conversations
 from . import Outputs
 from .resolve import data_pins
 
@@ -21,6 +20,8 @@ def inputs(bake: Bake) -> dict:
 
 
 def run(bake: Bake, inputs: dict) -> Outputs:
+    from ..data import split_conversations  # pyarrow: only when there is work
+
     names = {p: bake.shown(p) for p in bake.data_paths}
     summary = split_conversations(
         bake.data_paths,

@@ -24,8 +24,6 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-
 META = "meta.json"
 STATE = "trainer_state.pt"
 
@@ -59,6 +57,8 @@ def remove_partial(checkpoints: Path) -> None:
 
 
 def rng_state() -> dict:
+    import torch
+
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -66,6 +66,8 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    import torch
+
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -73,6 +75,8 @@ def set_rng_state(state: dict) -> None:
 
 def save(checkpoints: Path, step: int, model, optimizer, scheduler, meta: dict) -> Path:
     """Write checkpoint `step` atomically. `model` is the PEFT model (LoRA) or the model."""
+    import torch
+
     checkpoints.mkdir(parents=True, exist_ok=True)
     final = step_dir(checkpoints, step)
     tmp = checkpoints / f".tmp-{final.name}-{os.getpid()}"
@@ -95,6 +99,8 @@ def save(checkpoints: Path, step: int, model, optimizer, scheduler, meta: dict) 
 
 
 def load_state(folder: Path) -> dict:
+    import torch
+
     return torch.load(folder / STATE, weights_only=True, map_location="cpu")
 
 
