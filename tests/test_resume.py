@@ -1,0 +1,109 @@
+"""Exact resume: a bake killed with SIGKILL anywhere in training, then rerun, ends with the
+same weights, bit for bit, as one that was never killed (CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import bake_json, cli
+
+FINAL = "checkpoints/step-000008"
+
+
+def bake_in(runs: Path, plan: Path) -> dict:
+    return bake_json(str(plan), "--runs", str(runs))
+
+
+def kill_bake_at(runs: Path, plan: Path, metric_lines: int) -> None:
+    """Start a bake, SIGKILL it once metrics.jsonl has `metric_lines` lines."""
+    metrics = runs / "tiny" / "metrics.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "overbrainer.cli", "bake", str(plan), "--runs", str(runs)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= metric_lines:
+            break
+        assert proc.poll() is None, "the bake ended before it could be killed"
+        time.sleep(0.02)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    # the trainer dies with the bake that started it: nobody is left writing the folder
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive
+
+
+def weights(folder: Path) -> bytes:
+    return (folder / FINAL / "adapter_model.safetensors").read_bytes()
+
+
+def losses(folder: Path) -> list[tuple[int, float]]:
+    return [(m["step"], m["loss"]) for m in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.fixture
+def reference(project, tmp_path):
+    report = bake_in(tmp_path / "ref", project.plan_path)
+    return Path(report["folder"])
+
+
+@pytest.mark.parametrize("at", [1, 5])
+def test_sigkill_then_rerun_is_bitwise_equal(project, tmp_path, reference, at):
+    runs = tmp_path / "killed"
+    kill_bake_at(runs, project.plan_path, at)
+    folder = runs / "tiny"
+    assert not (folder / ".stamps" / "train.json").exists()
+    assert not (folder / FINAL).exists()
+    report = bake_in(runs, project.plan_path)
+    assert "train" in report["ran"]
+    log = (folder / "log.txt").read_text()
+    if at == 5:
+        assert "resuming from step-000003" in log or "resuming from step-000006" in log
+    assert weights(folder) == weights(reference)
+    assert losses(folder) == losses(reference)
+    merged = (folder / "merged" / "model.safetensors").read_bytes()
+    assert merged == (reference / "merged" / "model.safetensors").read_bytes()
+
+
+def test_trainer_killed_is_a_failed_run_then_resumes(project, tmp_path, reference):
+    runs = tmp_path / "crashed"
+    metrics = runs / "tiny" / "metrics.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "overbrainer.cli", "bake", str(project.plan_path), "--runs", str(runs)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
+        assert proc.poll() is None
+        time.sleep(0.02)
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        os.kill(child.pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "training failed" in err and "Traceback" not in err.splitlines()[0]
+    assert not (runs / "tiny" / ".stamps" / "train.json").exists()
+    bake_in(runs, project.plan_path)
+    assert weights(runs / "tiny") == weights(reference)
+
+
+def test_partial_checkpoint_is_never_used(project, tmp_path, reference):
+    """A temp checkpoint folder left by a kill mid-write is removed, not resumed from."""
+    runs = tmp_path / "partial"
+    kill_bake_at(runs, project.plan_path, 4)
+    checkpoints = runs / "tiny" / "checkpoints"
+    fake = checkpoints / ".tmp-step-000004-99999"
+    fake.mkdir(parents=True, exist_ok=True)
+    (fake / "adapter_model.safetensors").write_bytes(b"half a file")
+    bake_in(runs, project.plan_path)
+    assert not fake.exists()
+    assert weights(runs / "tiny") == weights(reference)
+    assert cli("bake", str(project.plan_path), "--runs", str(runs)).returncode == 0
