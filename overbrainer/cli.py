@@ -24,6 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", help="where run folders live (default: $OVERBRAINER_RUNS or ./runs)")
     p.set_defaults(func=cmd_bake)
 
+    p = sub.add_parser("chat", help="talk to a run's baked model, or to one of its checkpoints")
+    p.add_argument("run", help="the run folder (runs/NAME) or a plan file")
+    p.add_argument("prompt", nargs="?", help="one message; without it, a conversation on the terminal")
+    p.add_argument("--checkpoint", type=int, metavar="STEP", help="a checkpoint's step instead of the baked model")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
+    p.set_defaults(func=cmd_chat)
+
     args = parser.parse_args(argv)
     try:
         return args.func(args)
@@ -56,6 +64,46 @@ def cmd_bake(args) -> int:
     if args.json:
         print(json.dumps(report))
     return code
+
+
+def _run_folder(value: str):
+    """A run folder given as a folder, or as the plan that names it."""
+    from pathlib import Path
+
+    path = Path(value)
+    if path.is_file() and path.suffix == ".json":
+        from .build import compile_bake
+
+        return compile_bake(path).folder.root
+    if not path.is_dir():
+        raise OverbrainerError(f"{value}: no such run folder; give runs/NAME or the plan file")
+    return path
+
+
+def cmd_chat(args) -> int:
+    from .models import Model
+
+    folder = _run_folder(args.run)
+    model = Model.checkpoint(folder, args.checkpoint) if args.checkpoint is not None else Model.baked(folder)
+    if not model.decayed:
+        print(f"(step {model.step} is from before the decay: not the final model)", file=sys.stderr)
+    options = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+    if args.prompt:
+        print(model.chat(args.prompt, **options))
+        return 0
+    messages: list[dict] = []
+    print("type a message; an empty line or Ctrl-D ends", file=sys.stderr)
+    while True:
+        try:
+            text = input("you> ").strip()
+        except EOFError:
+            return 0
+        if not text:
+            return 0
+        messages.append({"role": "user", "content": text})
+        answer = model.chat(messages, **options)
+        messages.append({"role": "assistant", "content": answer})
+        print(answer)
 
 
 def _outcome(bake, report: dict, out) -> int:

@@ -1,0 +1,124 @@
+"""A baked model or a checkpoint, as something to load and talk to.
+
+    model = Model.baked("runs/demo")          # runs/demo/baked
+    model = Model.checkpoint("runs/demo", 18) # the base model + step 18's adapter
+    model.chat([{"role": "user", "content": "Hello!"}])
+    model.generate("Once upon a time")
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import RunStateError
+from .layout import RunFolder
+
+__all__ = ["Model"]
+
+
+@dataclass
+class Model:
+    path: Path  # a HF model folder, or a checkpoint folder (adapter) when `base` is set
+    base: Path | None = None
+    step: int | None = None
+    decayed: bool = True
+
+    @classmethod
+    def baked(cls, run: str | Path) -> Model:
+        folder = RunFolder(Path(run))
+        if not (folder.baked / "config.json").is_file():
+            raise RunStateError(f"{folder.root}: no baked model yet; bake the plan first, or pick a checkpoint")
+        return cls(folder.baked)
+
+    @classmethod
+    def checkpoint(cls, run: str | Path, step: int | None = None) -> Model:
+        from .trainers import checkpoint as ckpt
+
+        folder = RunFolder(Path(run))
+        done = ckpt.complete(folder.checkpoints)
+        if not done:
+            raise RunStateError(f"{folder.root}: no checkpoint yet; wait for the first save_every steps")
+        steps = {s: p for s, p in done}
+        if step is None:
+            step = done[-1][0]
+        if step not in steps:
+            raise RunStateError(
+                f"{folder.root}: no checkpoint at step {step}; there are: {', '.join(map(str, steps))}"
+            )
+        meta = ckpt.read_meta(steps[step])
+        base = Path(meta["base_model"])
+        return cls(steps[step], base=base if meta.get("adapter") == "lora" else None, step=step, decayed=meta.get("decayed", True))
+
+    def __repr__(self) -> str:
+        what = f"checkpoint step {self.step}" if self.step is not None else "model"
+        note = "" if self.decayed else ", not decayed (a constant-phase checkpoint)"
+        return f"<{what} at {self.path}{note}>"
+
+    def load(self):
+        """(model, tokenizer), on the CPU, in float32."""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging
+
+        logging.set_verbosity_error()
+        logging.disable_progress_bar()
+        if not hasattr(self, "_loaded"):
+            if self.base is not None:
+                from peft import PeftModel
+
+                model = AutoModelForCausalLM.from_pretrained(self.base, dtype=torch.float32)
+                model = PeftModel.from_pretrained(model, self.path)
+                tokenizer = AutoTokenizer.from_pretrained(self.base)
+                self._fix_tokens(tokenizer)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
+                tokenizer = AutoTokenizer.from_pretrained(self.path)
+            model.eval()
+            self._loaded = (model, tokenizer)
+        return self._loaded
+
+    def _fix_tokens(self, tokenizer) -> None:
+        # a checkpoint's tokenizer is the base's, with the special tokens config.yaml set
+        config = self.path.parent.parent / "config.yaml"
+        if config.is_file():
+            import yaml
+
+            for key, value in (yaml.safe_load(config.read_text()).get("special_tokens") or {}).items():
+                setattr(tokenizer, key, value)
+
+    def chat(self, messages: list[dict] | str, max_new_tokens: int = 128, temperature: float = 0.0) -> str:
+        """The assistant's next turn. Greedy unless `temperature` > 0."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        model, tokenizer = self.load()
+        inputs = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        return self._complete(model, tokenizer, inputs, max_new_tokens, temperature)
+
+    def generate(self, prompt: str, max_new_tokens: int = 128, temperature: float = 0.0) -> str:
+        """A plain continuation of `prompt`, without the chat template."""
+        model, tokenizer = self.load()
+        inputs = tokenizer(prompt, return_tensors="pt")
+        return self._complete(model, tokenizer, inputs, max_new_tokens, temperature)
+
+    @staticmethod
+    def _complete(model, tokenizer, inputs, max_new_tokens: int, temperature: float) -> str:
+        import torch
+
+        sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+        with torch.no_grad():
+            out = model.generate(
+                **inputs,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                **sampling,
+            )
+        return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
