@@ -39,6 +39,7 @@ class Bake:
     skipped: list[str] = field(default_factory=list)
     error: BaseException | None = None
     tell_errors: bool = False  # the doit reporter prints the error (under `doit`, no CLI)
+    record: object | None = None  # the Run whose run.json this bake keeps, while it runs
 
     @property
     def plan_dir(self) -> Path:
@@ -54,6 +55,11 @@ class Bake:
     def say(self, message: str) -> None:
         if not self.quiet:
             print(message, file=self.out, flush=True)
+
+    def tell(self, **fields) -> None:
+        """Record progress in run.json (state, step, steps), when a run record is kept."""
+        if self.record is not None:
+            self.record.update(**fields)
 
 
 def compile_bake(plan_path: str | os.PathLike, runs: str | os.PathLike | None = None, **options) -> Bake:
@@ -95,17 +101,70 @@ def doit_config(bake: Bake) -> dict:
 
 
 def run_bake(bake: Bake, task: str = "train") -> int:
-    """Run the graph (or the part of it up to `task`, e.g. ``train:split``). Returns doit's
-    exit code; what went wrong is on ``bake.error``."""
+    """Run the graph (or the part of it up to `task`, e.g. ``train:split``) in this process,
+    keeping run.json. Returns doit's exit code; what went wrong is on ``bake.error``.
+
+    The run folder's lock is taken before anything is written: a second bake of the same
+    folder fails at once (`AlreadyRunning`) and never touches the first one's files.
+    """
     from doit.cmd_base import ModuleTaskLoader
     from doit.doit_cmd import DoitMain
 
     from .graph import doit_tasks
+    from .run import Run
 
     bake.folder.root.mkdir(parents=True, exist_ok=True)
     with _exclusive(bake.folder):
-        namespace = {"task_train": lambda: doit_tasks(bake), "DOIT_CONFIG": doit_config(bake)}
-        return DoitMain(ModuleTaskLoader(namespace)).run(["run", task])
+        record = Run(bake.folder.root)
+        attempts = record._read().get("attempts", [])
+        attempt = {"start": _now(), "pid": os.getpid()}
+        bake.folder.stop_request.unlink(missing_ok=True)
+        from .run import this_process
+
+        record.update(
+            state="starting", where="here", plan_file=str(bake.plan_path), process=this_process(),
+            reason=None, result=None, attempts=[*attempts, attempt],
+        )
+        bake.record = record
+        try:
+            namespace = {"task_train": lambda: doit_tasks(bake), "DOIT_CONFIG": doit_config(bake)}
+            code = DoitMain(ModuleTaskLoader(namespace)).run(["run", task])
+        except BaseException as e:  # Ctrl-C twice, or a bug: the record must say so
+            bake.error = bake.error or e
+            code = 1
+            raise
+        finally:
+            state, reason, kind = outcome(bake.error)
+            log_tail = getattr(bake.error, "log_tail", "") or ""
+            attempt.update(end=_now(), exit=code, reason=reason or state)
+            record.update(
+                state=state, reason=reason, attempts=[*attempts, attempt],
+                result={"ran": bake.ran, "skipped": bake.skipped, "error": reason if bake.error else None,
+                        "kind": kind, "log_tail": log_tail},
+            )
+            bake.record = None
+        return code
+
+
+def outcome(error: BaseException | None) -> tuple[str, str | None, str | None]:
+    """The run state an error ends a bake in, its reason, and its kind (input or run)."""
+    from .errors import RunStopped
+
+    if error is None:
+        return "done", None, None
+    if isinstance(error, RunStopped):
+        return "stopped", str(error), None
+    if isinstance(error, OverbrainerError):
+        return "failed", str(error), "input"
+    if isinstance(error, KeyboardInterrupt):
+        return "failed", "interrupted", "run"
+    return "failed", str(error) or type(error).__name__, "run"
+
+
+def _now() -> str:
+    from .run import now
+
+    return now()
 
 
 def dry_run(bake: Bake) -> list[dict]:
@@ -126,6 +185,10 @@ def dry_run(bake: Bake) -> list[dict]:
     return rows
 
 
+class AlreadyRunning(RunStateError):
+    """Another process bakes this run folder."""
+
+
 class _exclusive:
     """One bake per run folder: an OS lock on ``.lock``, released when the process ends,
     however it ends (a dead process cannot hold it)."""
@@ -142,8 +205,8 @@ class _exclusive:
         except BlockingIOError:
             os.close(self.fd)
             holder = _lock_holder(self.folder.lock)
-            raise RunStateError(
-                f"{self.folder.root}: already being baked{holder}; wait for it, or stop it first"
+            raise AlreadyRunning(
+                f"{self.folder.root}: already being baked{holder}; follow it with `overbrainer wait`, or stop it"
             ) from None
         os.ftruncate(self.fd, 0)
         os.write(self.fd, str(os.getpid()).encode())

@@ -21,7 +21,16 @@ from .errors import PlanError
 
 __all__ = ["Plan", "SplitSettings", "TrainSettings", "Schedule", "BakeSettings", "load_plan"]
 
-BAKE_FORMATS = ("safetensors",)
+# What `bake.formats` may name; overbrainer/formats/ writes them. The gguf-<type> formats are
+# the types the `gguf` package quantizes to in pure Python, so no llama.cpp build is needed at
+# bake time (tests/test_formats.py keeps this list equal to what gguf.quants offers).
+BAKE_FORMATS = (
+    "safetensors",
+    "gguf-f32", "gguf-f16", "gguf-bf16", "gguf-q8_0", "gguf-q5_1", "gguf-q5_0", "gguf-q4_1",
+    "gguf-q4_0", "gguf-mxfp4", "gguf-tq2_0", "gguf-tq1_0",
+    "ollama",
+    "adapter",
+)
 TRAINERS = ("builtin",)
 
 
@@ -94,9 +103,24 @@ class TrainSettings(_Settings):
 
 
 class BakeSettings(_Settings):
-    """What to make from the merged model."""
+    """What to make from the merged model: each format names what it puts in baked/.
 
-    formats: list[Literal["safetensors"]] = Field(default_factory=lambda: ["safetensors"], min_length=1)
+    ``safetensors`` the merged model (HF folder); ``gguf-<type>`` one ``<name>-<type>.gguf`` file
+    for llama.cpp and friends; ``ollama`` a Modelfile for the first GGUF listed; ``adapter`` the
+    LoRA adapter alone, in ``adapter/``.
+    """
+
+    formats: list[Literal[BAKE_FORMATS]] = Field(default_factory=lambda: ["safetensors"], min_length=1)
+
+    @field_validator("formats")
+    @classmethod
+    def _consistent(cls, formats: list[str]) -> list[str]:
+        twice = sorted({f for f in formats if formats.count(f) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} listed more than once; list each format once")
+        if "ollama" in formats and not any(f.startswith("gguf-") for f in formats):
+            raise ValueError("ollama needs a GGUF file to run; add a gguf format too, e.g. gguf-q8_0")
+        return formats
 
 
 class Plan(_Settings):

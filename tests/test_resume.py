@@ -26,7 +26,7 @@ def kill_bake_at(runs: Path, plan: Path, metric_lines: int) -> None:
     """Start a bake, SIGKILL it once metrics.jsonl has `metric_lines` lines."""
     metrics = runs / "tiny" / "metrics.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "overbrainer.cli", "bake", str(plan), "--runs", str(runs)],
+        [sys.executable, "-m", "overbrainer.cli", "bake", str(plan), "--foreground", "--runs", str(runs)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 300
@@ -79,7 +79,7 @@ def test_trainer_killed_is_a_failed_run_then_resumes(project, tmp_path, referenc
     runs = tmp_path / "crashed"
     metrics = runs / "tiny" / "metrics.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "overbrainer.cli", "bake", str(project.plan_path), "--runs", str(runs)],
+        [sys.executable, "-m", "overbrainer.cli", "bake", str(project.plan_path), "--foreground", "--runs", str(runs)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):

@@ -118,7 +118,11 @@ def action(bake: Bake, module: ModuleType):
     caller, and doit is only told that the task failed."""
     from doit.exceptions import TaskFailed
 
+    from ..errors import RunStopped
+
     try:
+        if bake.folder.stop_request.exists():
+            raise RunStopped(f"stopped before {module.NAME}, on request; bake again to go on")
         did = execute(bake, module)
     except Exception as e:  # every error reaches the user through bake.error
         bake.error = e

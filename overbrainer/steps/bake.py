@@ -1,8 +1,19 @@
-"""Bake the model people use: baked/, in the plan's formats, with a model card."""
+"""Bake the model people use: baked/, in the plan's formats, with a model card.
+
+``baked/`` holds, by ``bake.formats`` (see ``overbrainer/formats/``)::
+
+    model.safetensors config.json tokenizer*   safetensors: merged/'s files, hard-linked
+    <name>-<type>.gguf                         gguf-<type>: one file per type asked for
+    Modelfile                                  ollama: FROM the first GGUF listed
+    adapter/                                   adapter: the final LoRA adapter alone
+    README.md  loss.png                        always: the model card and its loss curve
+
+It is written into ``.tmp-baked/`` and renamed into place, so ``baked/`` is whole or absent.
+"""
 
 from __future__ import annotations
 
-import os
+import json
 import shutil
 from typing import TYPE_CHECKING
 
@@ -14,15 +25,18 @@ if TYPE_CHECKING:
     from ..build import Bake
 
 NAME = "bake"
-VERSION = 1
+VERSION = 2
 TARGETS = ["baked/"]
 
 
 def inputs(bake: Bake) -> dict:
     merge, train, split = upstream(bake, "merge"), upstream(bake, "train"), upstream(bake, "split")
-    return {
+    formats = bake.plan.bake.formats
+    out = {
         "merged": outputs_digest(merge),
         "bake": bake.plan.bake.model_dump(mode="json"),
+        # the card's table and loss curve
+        "metrics": outputs_digest(train, "metrics.jsonl"),
         "card": {
             "name": bake.plan.name,
             "base": bake.plan.base,
@@ -31,79 +45,49 @@ def inputs(bake: Bake) -> dict:
             "result": train.summary,
         },
     }
+    if "adapter" in formats:
+        last = train.summary["checkpoint"]
+        out["adapter"] = {"checkpoint": last, "digest": outputs_digest(train, f"checkpoints/{last}")}
+    return out
 
 
 def run(bake: Bake, inputs: dict) -> Outputs:
+    from ..formats import check_formats, gguf_types
+    from ..formats.adapter import link_or_copy, write_adapter
+    from ..formats.card import model_card, plot_loss, read_metrics
+
     folder = bake.folder
+    formats = inputs["bake"]["formats"]
+    name = inputs["card"]["name"]
+    # the config step checked the base; this is the merged model, in case it differs
+    check_formats(formats, json.loads((folder.merged / "config.json").read_text()), bake.plan.train.adapter)
     tmp = folder.root / ".tmp-baked"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    if "safetensors" in inputs["bake"]["formats"]:
+    files: dict[str, str] = {}  # what baked/ holds -> the format that made it (for the card)
+    if "safetensors" in formats:
         for src in sorted(folder.merged.iterdir()):
-            _link_or_copy(src, tmp / src.name)
-    (tmp / "README.md").write_text(model_card(inputs["card"]))
+            link_or_copy(src, tmp / src.name)
+            files[src.name] = "safetensors"
+    ggufs = []
+    for qtype in gguf_types(formats):
+        from ..formats.gguf import file_name, write_gguf
+
+        gguf = file_name(name, qtype)
+        bake.say(f"bake: {gguf}")
+        write_gguf(folder.merged, tmp / gguf, qtype, name)
+        files[gguf] = f"gguf-{qtype}"
+        ggufs.append(gguf)
+    if "ollama" in formats:
+        from ..formats.ollama import modelfile
+
+        (tmp / "Modelfile").write_text(modelfile(folder.merged, ggufs[0]), encoding="utf-8")
+        files["Modelfile"] = "ollama"
+    if "adapter" in formats:
+        write_adapter(folder.checkpoints / inputs["adapter"]["checkpoint"], tmp / "adapter")
+        files["adapter/"] = "adapter"
+    metrics = read_metrics(folder.metrics)
+    plot_loss(metrics, tmp / "loss.png", title=name)
+    (tmp / "README.md").write_text(model_card(inputs["card"], metrics, files), encoding="utf-8")
     replace_folder(tmp, folder.baked)
     return Outputs(["baked"])
-
-
-def _link_or_copy(src, dest) -> None:
-    # a hard link costs no disk and keeps the content (merged/ is replaced, never edited)
-    try:
-        os.link(src, dest)
-    except OSError:
-        shutil.copy2(src, dest)
-
-
-def model_card(card: dict) -> str:
-    data, train, result = card["data"], card["train"], card["result"]
-
-    def fmt(value):
-        return "—" if value is None else (f"{value:.4f}" if isinstance(value, float) else str(value))
-
-    settings = "\n".join(f"| `{k}` | `{v}` |" for k, v in train.items() if k != "schedule")
-    schedule = train["schedule"]
-    files = ", ".join(f"`{name}` ({n})" for name, n in data.get("files", {}).items())
-    return f"""---
-base_model: {card['base']}
-library_name: transformers
-tags: [overbrainer, {train['adapter']}]
----
-
-# {card['name']}
-
-Fine-tuned from `{card['base']}` by [overbrainer](https://pypi.org/project/overbrainer/)
-({train['adapter']}, {result['steps']} steps, the LoRA adapter merged into the weights).
-
-## Data
-
-{data['rows']} conversations from {files}: {data['train']} for training, {data['validation']} for
-validation; {data['duplicates']} exact duplicates dropped.
-
-## Result
-
-| | |
-|---|---|
-| final training loss | {fmt(result['loss'])} |
-| final validation loss | {fmt(result['eval_loss'])} |
-| tokens trained | {result['tokens']} |
-| training time | {result['seconds']:.0f} s ({result['tokens_per_second']:.0f} tokens/s) |
-
-## Settings
-
-| setting | value |
-|---|---|
-{settings}
-| `schedule` | warmup {schedule['warmup']:g}, decay {schedule['decay']:g} (warmup-stable-decay) |
-
-## Use
-
-```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-model = AutoModelForCausalLM.from_pretrained("path/to/baked")
-tokenizer = AutoTokenizer.from_pretrained("path/to/baked")
-messages = [{{"role": "user", "content": "Hello!"}}]
-inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-print(tokenizer.decode(model.generate(**inputs, max_new_tokens=64)[0]))
-```
-"""

@@ -112,6 +112,7 @@ def launch(bake: Bake, fp: str, max_steps: int) -> int:
             stdin=subprocess.DEVNULL,
             preexec_fn=_die_with_parent,
         )
+        bake.tell(state="running", steps=max_steps)
         while True:
             code = proc.poll()
             seen = _report_new_lines(bake, folder.metrics, seen, max_steps)
@@ -133,6 +134,7 @@ def _report_new_lines(bake: Bake, metrics: Path, seen: int, max_steps: int) -> i
         except ValueError:
             break  # a line still being written
         seen += 1
+        bake.tell(step=m["step"])
         rate = m["tokens"] / max(m["seconds"], 1e-9)
         ev = f"  eval {m['eval_loss']:.4f}" if m.get("eval_loss") is not None else ""
         bake.say(f"  step {m['step']}/{max_steps}  loss {m['loss']:.4f}{ev}  lr {m['lr']:.2e}  {rate:.0f} tok/s  {m['phase']}")

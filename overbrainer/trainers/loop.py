@@ -278,12 +278,26 @@ def truncate_metrics(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
+def _stop_on_signal(stop_request: Path) -> None:
+    """SIGTERM (and SIGINT: Ctrl-C reaches the whole foreground process group) ask for a
+    stop: the loop saves a checkpoint at its next step and ends, as `overbrainer stop` does."""
+    import signal
+
+    def ask(signum, frame):
+        stop_request.write_text(f"signal {signum}\n")
+
+    signal.signal(signal.SIGTERM, ask)
+    signal.signal(signal.SIGINT, ask)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m overbrainer.trainers.loop RUN_DIR/config.yaml", file=sys.stderr)
         return 2
-    return train(Path(argv[0]).absolute())
+    config = Path(argv[0]).absolute()
+    _stop_on_signal(config.parent / "stop")
+    return train(config)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,220 @@
+"""The model card, ``baked/README.md``, and its loss curve, ``baked/loss.png``.
+
+Both are read from the run's ``metrics.jsonl`` (one line per optimizer step: step, tokens,
+loss, lr, eval_loss on eval steps, seconds, phase) and the steps' stamps: the card says what
+the model was made from, how, how the losses went, and how to use each file in ``baked/``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["read_metrics", "metrics_table", "plot_loss", "model_card"]
+
+PHASE_COLORS = {"warmup": "#f4a261", "stable": "#8ab6d6", "decay": "#90be6d"}
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The metric lines, one per step (the last line of a step wins), in step order. A torn
+    last line (a killed trainer) is skipped."""
+    by_step: dict[int, dict] = {}
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    for raw in lines:
+        try:
+            m = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(m, dict) and isinstance(m.get("step"), int):
+            by_step[m["step"]] = m
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _fmt(value, spec: str = ".4f") -> str:
+    if value is None:
+        return "—"
+    return format(value, spec) if isinstance(value, float) else str(value)
+
+
+def metrics_table(metrics: list[dict]) -> str:
+    """A Markdown table of every eval step and the last step."""
+    if not metrics:
+        return "No metrics were logged."
+    last = metrics[-1]["step"]
+    rows = [m for m in metrics if m.get("eval_loss") is not None or m["step"] == last]
+    lines = ["| step | loss | eval_loss | lr | phase |", "|---:|---:|---:|---:|---|"]
+    for m in rows:
+        lines.append(
+            f"| {m['step']} | {_fmt(m.get('loss'))} | {_fmt(m.get('eval_loss'))} "
+            f"| {_fmt(m.get('lr'), '.2e')} | {m.get('phase') or '—'} |"
+        )
+    return "\n".join(lines)
+
+
+def _phase_spans(metrics: list[dict]) -> list[tuple[str, int, int]]:
+    """(phase, first step, last step) for each run of steps in the same phase."""
+    spans: list[tuple[str, int, int]] = []
+    for m in metrics:
+        phase = m.get("phase") or "?"
+        if spans and spans[-1][0] == phase:
+            spans[-1] = (phase, spans[-1][1], m["step"])
+        else:
+            spans.append((phase, m["step"], m["step"]))
+    return spans
+
+
+def plot_loss(metrics: list[dict], path: Path, title: str = "") -> None:
+    """Train and eval loss by step, the schedule's phases shaded, as a PNG."""
+    # the Agg canvas directly, not pyplot: no global backend switched in the caller's process
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    shaded = set()
+    for phase, first, last in _phase_spans(metrics):
+        ax.axvspan(
+            first - 0.5, last + 0.5, color=PHASE_COLORS.get(phase, "#cccccc"), alpha=0.25, lw=0,
+            label=None if phase in shaded else phase,
+        )
+        shaded.add(phase)
+    train = [(m["step"], m["loss"]) for m in metrics if m.get("loss") is not None]
+    evals = [(m["step"], m["eval_loss"]) for m in metrics if m.get("eval_loss") is not None]
+    if train:
+        ax.plot(*zip(*train), color="#1d3557", lw=1.5, label="train loss")
+    if evals:
+        ax.plot(*zip(*evals), "o-", color="#e63946", lw=1.5, ms=4, label="eval loss")
+    if not metrics:
+        ax.text(0.5, 0.5, "no metrics logged", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    if title:
+        ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    if metrics:
+        ax.legend(loc="upper right", fontsize="small")
+    fig.tight_layout()
+    # no "Software" stamp: the same metrics make the same bytes
+    fig.savefig(path, format="png", metadata={"Software": None})
+
+
+def model_card(card: dict, metrics: list[dict], files: dict[str, str]) -> str:
+    """The card's Markdown. ``files`` maps what ``baked/`` holds to the format that made it:
+    ``{"model.safetensors": "safetensors", "demo-q8_0.gguf": "gguf-q8_0", ...}``."""
+    data, train, result = card["data"], card["train"], card["result"]
+    settings = "\n".join(f"| `{k}` | `{v}` |" for k, v in train.items() if k != "schedule")
+    schedule = train["schedule"]
+    sources = ", ".join(f"`{name}` ({n})" for name, n in data.get("files", {}).items())
+    how = (
+        "the LoRA adapter merged into the weights" if train["adapter"] == "lora" else "a full fine-tune"
+    )
+    return f"""---
+base_model: {card['base']}
+library_name: transformers
+tags: [overbrainer, {train['adapter']}]
+---
+
+# {card['name']}
+
+Fine-tuned from `{card['base']}` by [overbrainer](https://pypi.org/project/overbrainer/)
+({train['adapter']}, {result['steps']} steps, {how}).
+
+## Files
+
+{_files_section(files)}
+
+## Data
+
+{data['rows']} conversations from {sources}: {data['train']} for training, {data['validation']} for
+validation; {data['duplicates']} exact duplicates dropped.
+
+## Result
+
+| | |
+|---|---|
+| final training loss | {_fmt(result['loss'])} |
+| final validation loss | {_fmt(result['eval_loss'])} |
+| tokens trained | {result['tokens']} |
+| training time | {result['seconds']:.0f} s ({result['tokens_per_second']:.0f} tokens/s) |
+
+## Training
+
+Every evaluation step, and the last:
+
+{metrics_table(metrics)}
+
+![Train and eval loss by step, the warmup, stable and decay phases shaded](loss.png)
+
+## Settings
+
+| setting | value |
+|---|---|
+{settings}
+| `schedule` | warmup {schedule['warmup']:g}, decay {schedule['decay']:g} (warmup-stable-decay) |
+
+## Use
+
+{_use_section(card['name'], files)}
+"""
+
+
+def _files_section(files: dict[str, str]) -> str:
+    formats = set(files.values())
+    rows = []
+    if "safetensors" in formats:
+        rows.append("| `model.safetensors`, `config.json`, tokenizer files | the merged model (Hugging Face transformers) |")
+    for file, fmt in files.items():
+        if fmt.startswith("gguf-"):
+            rows.append(f"| `{file}` | GGUF, {fmt.removeprefix('gguf-')} (llama.cpp, Ollama, LM Studio) |")
+    if "ollama" in formats:
+        rows.append("| `Modelfile` | Ollama: the GGUF, its chat template and stop tokens |")
+    if "adapter" in formats:
+        rows.append("| `adapter/` | the LoRA adapter alone (PEFT), to serve over the base model |")
+    rows.append("| `loss.png` | the loss curve |")
+    return "| file | what |\n|---|---|\n" + "\n".join(rows)
+
+
+def _use_section(name: str, files: dict[str, str]) -> str:
+    formats = set(files.values())
+    parts = []
+    if "safetensors" in formats:
+        parts.append("""With transformers:
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("path/to/baked")
+tokenizer = AutoTokenizer.from_pretrained("path/to/baked")
+messages = [{"role": "user", "content": "Hello!"}]
+inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+print(tokenizer.decode(model.generate(**inputs, max_new_tokens=64)[0]))
+```""")
+    gguf = next((f for f, fmt in files.items() if fmt.startswith("gguf-")), None)
+    if gguf:
+        parts.append(f"""With llama.cpp:
+
+```sh
+llama-cli -m path/to/baked/{gguf} -cnv
+```""")
+    if "ollama" in formats:
+        parts.append(f"""With Ollama:
+
+```sh
+ollama create {name.lower()} -f path/to/baked/Modelfile
+ollama run {name.lower()} "Hello!"
+```""")
+    if "adapter" in formats:
+        parts.append("""The adapter over the base model, with PEFT:
+
+```python
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+base = AutoModelForCausalLM.from_pretrained("path/to/the/base/model")
+model = PeftModel.from_pretrained(base, "path/to/baked/adapter")
+```""")
+    return "\n\n".join(parts)

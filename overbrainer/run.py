@@ -1,0 +1,356 @@
+"""A run: a folder, a process of its own, and a model at the end.
+
+``run.json`` is the run's state, written atomically by the process that bakes the folder
+(the supervisor) and read by anyone::
+
+    {
+      "state": "running",          # planned starting running stopping stopped done failed
+      "where": "here",
+      "plan_file": "/abs/plans/demo.json",
+      "process": {"pid": 4242, "create_time": 1733150000.12, "host": "box"},
+      "step": 18, "steps": 54,
+      "reason": null,              # why it is stopped or failed, in words
+      "result": {"ran": [...], "skipped": [...], "error": null, "kind": null},
+      "attempts": [{"start": "...", "end": "...", "pid": 4242, "exit": 0, "reason": "done"}]
+    }
+
+A process that ended without saying so (killed, crashed, the machine rebooted) is shown as
+``failed`` with the reason "process ended without saying so", never as running: the pid is
+checked together with its create time, so a reused pid is not mistaken for the run.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .errors import RunFailed, RunStateError
+from .layout import RunFolder, runs_root
+from .stamps import write_atomic
+
+__all__ = ["Run", "runs", "STATES", "ACTIVE", "FINAL"]
+
+STATES = ("planned", "starting", "running", "stopping", "stopped", "done", "failed")
+ACTIVE = ("starting", "running", "stopping")
+FINAL = ("stopped", "done", "failed")
+DIED = "process ended without saying so"
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def this_process() -> dict:
+    import psutil
+
+    me = psutil.Process()
+    return {"pid": me.pid, "create_time": me.create_time(), "host": socket.gethostname()}
+
+
+def alive(process: dict | None) -> bool:
+    """Whether the process a run.json names is still the one that wrote it."""
+    if not process:
+        return False
+    import psutil
+
+    if process.get("host") not in (None, socket.gethostname()):
+        return True  # another machine's process: this one cannot tell
+    try:
+        p = psutil.Process(process["pid"])
+        return abs(p.create_time() - process["create_time"]) < 1.0 and p.status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, KeyError, TypeError):
+        return False
+
+
+class Run:
+    """A run folder: its state, its process, its metrics and its models."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = RunFolder(Path(folder).absolute())
+
+    def __repr__(self) -> str:
+        return f"<Run {self.name} {self.state}>"
+
+    @property
+    def name(self) -> str:
+        return self.folder.name
+
+    # -- state ---------------------------------------------------------------------------
+
+    def _read(self) -> dict:
+        try:
+            data = json.loads(self.folder.run_json.read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    @property
+    def status(self) -> dict:
+        """run.json, with a process that ended without saying so shown as such."""
+        data = self._read()
+        if not data:
+            data = {"state": "planned" if self.folder.plan_json.exists() else "unknown"}
+        if data.get("state") in ACTIVE and not alive(data.get("process")):
+            data = {**data, "state": "failed", "reason": DIED}
+        return data
+
+    @property
+    def state(self) -> str:
+        return self.status["state"]
+
+    @property
+    def where(self) -> str:
+        return self.status.get("where", "here")
+
+    @property
+    def plan(self) -> dict:
+        """Every setting the run was decided with (its plan.json)."""
+        try:
+            return json.loads(self.folder.plan_json.read_text())
+        except (OSError, ValueError):
+            raise RunStateError(f"{self.folder.root}: no plan.json; bake a plan into this folder first") from None
+
+    def update(self, **fields) -> dict:
+        """Change run.json (what the supervisor does; also `stop`). Read-modify-write under
+        a lock, so that a `stop` and the supervisor's step count never undo each other."""
+        import fcntl
+
+        self.folder.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.folder.root / ".run.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            data = self._read()
+            if data.get("state") == "stopping" and fields.get("state") == "running":
+                fields = {k: v for k, v in fields.items() if k != "state"}  # a stop asked stays asked
+            data.update(fields)
+            write_atomic(self.folder.run_json, (json.dumps(data, indent=1) + "\n").encode())
+            return data
+        finally:
+            os.close(fd)
+
+    # -- the process ---------------------------------------------------------------------
+
+    def _plan_file(self) -> str:
+        plan_file = self._read().get("plan_file") or self.plan.get("resolved", {}).get("plan_file")
+        if not plan_file or not Path(plan_file).is_file():
+            raise RunStateError(f"{self.folder.root}: its plan file {plan_file!r} is gone; bake the plan again by its path")
+        return plan_file
+
+    def start(self, process: bool = True) -> Run:
+        """Start (or resume) the run in its own process; `process=False` runs it in a
+        thread of this one (which ends with it)."""
+        if self.state in ACTIVE:
+            return self
+        plan_file = self._plan_file()
+        self.folder.stop_request.unlink(missing_ok=True)
+        before = self.attempts()
+        if process:
+            child = launch(plan_file, self.folder)
+        else:
+            child = None
+            import threading
+
+            from .build import compile_bake, run_bake
+
+            bake = compile_bake(plan_file, runs=self.folder.root.parent, quiet=True)
+            threading.Thread(target=run_bake, args=(bake,), daemon=True, name=f"overbrainer-{self.name}").start()
+        self.wait_started(before, child)
+        return self
+
+    def attempts(self) -> int:
+        return len(self._read().get("attempts", []))
+
+    def wait_started(self, before: int, child: subprocess.Popen | None = None, timeout: float = 120) -> None:
+        """Wait until a new attempt has begun (or another process's one is under way)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.attempts() > before or self.state in ACTIVE:
+                return
+            if child is not None and child.poll() is not None:
+                if self.attempts() > before or self.state in ACTIVE:
+                    return
+                raise RunStateError(
+                    f"{self.folder.root}: the run's process ended at once (exit code {child.returncode}); "
+                    f"see {self.folder.log}"
+                )
+            time.sleep(0.05)
+        raise RunStateError(f"{self.folder.root}: the run did not start within {timeout:g} s; see {self.folder.log}")
+
+    def resume(self) -> Run:
+        """Continue a stopped or crashed run from its last checkpoint."""
+        if self.state == "done":
+            return self
+        return self.start()
+
+    def stop_requested(self) -> bool:
+        """Whether stop() was asked (what the trainer checks at each step)."""
+        return self.folder.stop_request.exists()
+
+    def stop(self, wait: bool = True, timeout: float = 600) -> str:
+        """Ask the run to stop at its next step (it saves a checkpoint first). Returns the
+        state it ended in (or is in, without `wait`)."""
+        state = self.state
+        if state not in ACTIVE:
+            return state
+        self.folder.stop_request.write_text(now() + "\n")
+        self.update(state="stopping")
+        if not wait:
+            return "stopping"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.state
+            if state in FINAL:
+                return state
+            time.sleep(0.1)
+        raise RunStateError(f"{self.folder.root}: still {state} after {timeout:g} s; check `overbrainer log {self.folder.root}`")
+
+    def wait(self, poll: float = 5.0, show: bool = True):
+        """Wait for the end; show progress; return the model."""
+        from .follow import follow
+
+        state = follow(self, poll=poll, show=show)
+        if state == "done":
+            return self.baked()
+        status = self.status
+        if state == "failed":
+            raise RunFailed(status.get("reason") or "the run failed", self.log(15))
+        raise RunStateError(f"{self.folder.root}: {state}" + (f" ({status['reason']})" if status.get("reason") else ""))
+
+    # -- metrics and log -----------------------------------------------------------------
+
+    def records(self) -> list[dict]:
+        """The lines of metrics.jsonl so far, as dicts."""
+        out = []
+        try:
+            text = self.folder.metrics.read_text()
+        except OSError:
+            return out
+        for raw in text.splitlines():
+            try:
+                out.append(json.loads(raw))
+            except ValueError:
+                continue  # a line being written
+        return out
+
+    def metrics(self):
+        """The logged steps as a pyarrow Table."""
+        import pyarrow as pa
+
+        rows = [r for r in self.records() if "step" in r]
+        columns = ["step", "tokens", "loss", "lr", "eval_loss", "seconds", "phase"]
+        for r in rows:
+            for k in r:
+                if k not in columns:
+                    columns.append(k)
+        return pa.table({c: [r.get(c) for r in rows] for c in columns})
+
+    def metrics_csv(self) -> str:
+        rows = [r for r in self.records() if "step" in r]
+        columns = self.metrics().column_names
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        return buf.getvalue()
+
+    def log_metric(self, **fields) -> None:
+        """Append one line to metrics.jsonl (what trainers call)."""
+        with open(self.folder.metrics, "a") as f:
+            f.write(json.dumps(fields) + "\n")
+
+    def log(self, lines: int = 40) -> str:
+        """The last `lines` lines of the trainer's own output (log.txt)."""
+        try:
+            text = self.folder.log.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def progress(self) -> dict:
+        """Where it is now: state, step of steps, the last loss and eval loss, seconds so
+        far and eta (seconds left, from the pace of the last steps)."""
+        status = self.status
+        records = [r for r in self.records() if "step" in r]
+        steps = status.get("steps") or _steps_from_config(self.folder.config)
+        out = {"state": status["state"], "step": 0, "steps": steps, "loss": None, "eval_loss": None,
+               "seconds": 0.0, "eta": None, "tokens_per_second": None}
+        if records:
+            last = records[-1]
+            evals = [r["eval_loss"] for r in records if r.get("eval_loss") is not None]
+            out.update(step=last["step"], loss=last.get("loss"), seconds=last.get("seconds", 0.0),
+                       eval_loss=evals[-1] if evals else None)
+            recent = records[-11:]
+            if len(recent) >= 2 and steps:
+                dt = recent[-1]["seconds"] - recent[0]["seconds"]
+                per_step = dt / (recent[-1]["step"] - recent[0]["step"]) if recent[-1]["step"] > recent[0]["step"] else None
+                if per_step is not None:
+                    out["eta"] = round(max(0, steps - last["step"]) * per_step, 1)
+                    tokens = recent[-1]["tokens"] - recent[0]["tokens"]
+                    out["tokens_per_second"] = round(tokens / dt, 1) if dt > 0 else None
+        if out["state"] == "done":
+            out["eta"] = 0.0
+        return out
+
+    # -- models --------------------------------------------------------------------------
+
+    def checkpoints(self) -> list[int]:
+        """Steps with a checkpoint, oldest first."""
+        from .trainers import checkpoint as ckpt
+
+        return [step for step, _ in ckpt.complete(self.folder.checkpoints)]
+
+    def checkpoint(self, step: int | None = None):
+        """A checkpoint as a usable model (the last one by default). A checkpoint from the
+        constant phase of the schedule is not decayed: compare such ones with each other,
+        not with the final model."""
+        from .models import Model
+
+        return Model.checkpoint(self.folder.root, step)
+
+    def baked(self):
+        """The model this run made (when done)."""
+        from .models import Model
+
+        return Model.baked(self.folder.root)
+
+
+def _steps_from_config(config: Path) -> int | None:
+    try:
+        import yaml
+
+        return yaml.safe_load(config.read_text()).get("max_steps")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def launch(plan_file: str | os.PathLike, folder: RunFolder) -> subprocess.Popen:
+    """Start `overbrainer bake --foreground` in a new session: it outlives the terminal (a
+    hang-up does not reach it) and the process that started it. What it says goes to the
+    run's log.txt, after the trainer's."""
+    folder.root.mkdir(parents=True, exist_ok=True)
+    with open(folder.log, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "overbrainer.cli", "bake", str(plan_file), "--foreground", "--quiet",
+             "--runs", str(folder.root.parent)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            close_fds=True,
+        )
+
+
+def runs(root: str | os.PathLike | None = None) -> list[Run]:
+    """Every run under the runs folder, by name."""
+    root = Path(root).absolute() if root else runs_root()
+    if not root.is_dir():
+        return []
+    return [Run(p) for p in sorted(root.iterdir()) if (p / "plan.json").is_file() or (p / "run.json").is_file()]
