@@ -12,6 +12,8 @@ from pathlib import Path
 
 __all__ = ["read_metrics", "metrics_table", "plot_loss", "model_card"]
 
+# the Hub's library_name for the card: the first kind of file baked/ holds, in this order
+_LIBRARIES = (("safetensors", "transformers"), ("gguf", "gguf"), ("adapter", "peft"))
 PHASE_COLORS = {"warmup": "#f4a261", "stable": "#8ab6d6", "decay": "#90be6d"}
 
 
@@ -112,9 +114,11 @@ def model_card(card: dict, metrics: list[dict], files: dict[str, str]) -> str:
     how = (
         "the LoRA adapter merged into the weights" if train["adapter"] == "lora" else "a full fine-tune"
     )
+    kinds = [fmt.split("-")[0] for fmt in files.values()]
+    library = next((lib for kind, lib in _LIBRARIES if kind in kinds), "transformers")
     return f"""---
 base_model: {card['base']}
-library_name: transformers
+library_name: {library}
 tags: [overbrainer, {train['adapter']}]
 ---
 
