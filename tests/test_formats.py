@@ -1,0 +1,279 @@
+"""bake.formats: GGUF files that transformers' own GGUF reader loads back close to merged/, an
+Ollama Modelfile, the adapter alone, the card's metrics table and loss curve; bad formats are
+plan errors before any training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import bake_json, cli
+
+from overbrainer.errors import OverbrainerError
+from overbrainer.formats import GGUF_TYPES, check_formats
+from overbrainer.formats.gguf import llama_cpp_pre
+from overbrainer.formats.ollama import chatml_system, modelfile
+
+# Largest |logit(GGUF) - logit(merged/)| over every position and vocabulary entry of the
+# prompts, on the tiny model baked below. Measured: f16 1.8e-4, q8_0 3.5e-3 (f16 keeps 11
+# bits of each weight; q8_0 one int8 per weight and one scale per 32).
+TOLERANCE = {"f16": 1e-3, "q8_0": 2e-2}
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Two plus two is"]
+FORMATS = ["safetensors", "gguf-f16", "gguf-q8_0", "ollama", "adapter"]
+
+
+# --- what may be asked for --------------------------------------------------------------------
+
+
+def test_gguf_types_are_those_gguf_quantizes_in_pure_python():
+    from gguf import GGMLQuantizationType, quants
+
+    def numpy_quantizer(t):
+        if t in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            return True  # plain casts, in gguf.quants.quantize itself
+        cls = quants._type_traits.get(t)
+        return cls is not None and not getattr(cls.quantize_blocks, "__isabstractmethod__", False)
+
+    offered = {t.name.lower() for t in GGMLQuantizationType if numpy_quantizer(t)}
+    assert set(GGUF_TYPES) == offered
+
+
+def one_line_error(proc) -> str:
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def test_unknown_format_is_a_plan_error(project, tmp_path):
+    project.plan["bake"] = {"formats": ["safetensors", "gguf-q4_k_m"]}
+    project.write()
+    line = one_line_error(cli("bake", str(project.plan_path), check=2))
+    assert "plan.json:" in line and "bake.formats.1: unknown format 'gguf-q4_k_m'" in line
+    assert "gguf-q8_0" in line  # the supported ones are listed
+    assert not (tmp_path / "runs").exists()
+
+
+def test_ollama_needs_a_gguf(project, tmp_path):
+    project.plan["bake"] = {"formats": ["safetensors", "ollama"]}
+    project.write()
+    line = one_line_error(cli("bake", str(project.plan_path), check=2))
+    assert "bake.formats: ollama needs a GGUF file to run; add a gguf format too" in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_gguf_on_another_architecture_is_one_line():
+    qwen = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
+    with pytest.raises(OverbrainerError) as e:
+        check_formats(["safetensors", "gguf-f16"], qwen)
+    assert str(e.value) == (
+        "bake.formats: gguf-f16 is not supported for qwen2 models (supported: llama); "
+        "remove it from bake.formats"
+    )
+    check_formats(["safetensors", "adapter"], qwen)  # no GGUF asked: fine
+
+
+def test_llama_variants_the_writer_cannot_carry_are_refused():
+    llama3 = {"model_type": "llama", "rope_parameters": {"rope_type": "llama3", "factor": 32.0}}
+    with pytest.raises(OverbrainerError, match="rope_type 'llama3'"):
+        check_formats(["gguf-q8_0"], llama3)
+    check_formats(["gguf-q8_0"], {"model_type": "llama", "rope_parameters": {"rope_type": "default"}})
+
+
+def test_adapter_of_a_full_fine_tune_is_refused():
+    with pytest.raises(OverbrainerError, match='adapter needs train.adapter "lora"'):
+        check_formats(["adapter"], {"model_type": "llama"}, adapter="full")
+
+
+def _tokenizer(pre: dict | None, vocab: dict) -> dict:
+    return {"model": {"type": "BPE", "vocab": vocab}, "pre_tokenizer": pre}
+
+
+def test_llama_cpp_pre_tokenizer_names():
+    gpt2 = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+    numbers = {"Ġ12": 0, "a": 1}
+    assert llama_cpp_pre(_tokenizer(gpt2, numbers)) == "gpt-2"
+    # a vocabulary with digits only alone was learned with them split: SmolLM's
+    assert llama_cpp_pre(_tokenizer(gpt2, {"1": 0, "2": 1, "Ġthe": 2})) == "smollm"
+    digits = {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, gpt2]}
+    assert llama_cpp_pre(_tokenizer(digits, numbers)) == "smollm"
+    from overbrainer.formats.gguf import _LLAMA3_SPLIT
+
+    split = {"type": "Split", "pattern": {"Regex": _LLAMA3_SPLIT}, "behavior": "Isolated"}
+    llama3 = {"type": "Sequence", "pretokenizers": [split, {"type": "ByteLevel", "use_regex": False}]}
+    assert llama_cpp_pre(_tokenizer(llama3, numbers)) == "llama-bpe"
+    with pytest.raises(OverbrainerError, match="no pre-tokenizer known to match"):
+        llama_cpp_pre(_tokenizer({"type": "Whitespace"}, numbers))
+    with pytest.raises(OverbrainerError, match="byte-level BPE tokenizers, not Unigram"):
+        llama_cpp_pre({"model": {"type": "Unigram"}})
+
+
+def test_chatml_templates_and_their_default_system_prompt(tiny_model):
+    from tiny import CHATML
+
+    assert chatml_system(CHATML, {}) == ""
+    smol = (
+        "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+        "{{ '<|im_start|>system\nYou are SmolLM<|im_end|>\n' }}{% endif %}"
+        "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    assert chatml_system(smol, {}) == "You are SmolLM"
+    llama2 = "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+    assert chatml_system(llama2, {}) is None
+    text = modelfile(tiny_model, "tiny-q8_0.gguf")
+    assert text.startswith("FROM ./tiny-q8_0.gguf\n") and "SYSTEM" not in text
+
+
+# --- a tiny bake in every format ----------------------------------------------------------------
+
+
+def gguf_files(baked: Path) -> dict[str, Path]:
+    return {p.stem.rsplit("-", 1)[1]: p for p in baked.glob("*.gguf")}
+
+
+def check_gguf_metadata(path: Path, qtype: str, merged: Path) -> None:
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    reader = GGUFReader(path)
+
+    def field(key):
+        return reader.fields[key].contents()
+
+    assert field("general.architecture") == "llama"
+    assert field("llama.block_count") == 2 and field("llama.context_length") == 1024
+    assert field("llama.embedding_length") == 32 and field("llama.feed_forward_length") == 64
+    assert field("llama.attention.head_count") == 4 and field("llama.attention.head_count_kv") == 2
+    assert field("llama.vocab_size") == 400 and field("llama.rope.freq_base") == 10000.0
+    assert field("tokenizer.ggml.model") == "gpt2" and field("tokenizer.ggml.pre") == "gpt-2"
+    assert len(field("tokenizer.ggml.tokens")) == 400 and field("tokenizer.ggml.merges")
+    assert field("tokenizer.ggml.eos_token_id") == 2 and field("tokenizer.ggml.padding_token_id") == 0
+    assert field("tokenizer.ggml.add_bos_token") is False
+    assert field("tokenizer.chat_template") == (merged / "chat_template.jinja").read_text()
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["blk.0.attn_norm.weight"] == GGMLQuantizationType.F32
+    assert types["blk.1.ffn_down.weight"] == GGMLQuantizationType[qtype.upper()]
+    assert "output.weight" in types  # the tiny model's head is not tied to its embeddings
+
+
+def check_gguf_answers_like_merged(baked: Path, merged: Path, qtype: str) -> float:
+    """Logits within TOLERANCE of merged/'s, the same tokens and the same greedy answers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = gguf_files(baked)[qtype]
+    reference = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    model = AutoModelForCausalLM.from_pretrained(baked, gguf_file=path.name, dtype=torch.float32)
+    gguf_tokenizer = AutoTokenizer.from_pretrained(baked, gguf_file=path.name)
+    worst = 0.0
+    for prompt in PROMPTS:
+        messages = [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, return_tensors="pt")
+        # the GGUF's vocabulary, merges and special tokens cut the text the same way
+        assert torch.equal(ids["input_ids"], gguf_tokenizer(text, return_tensors="pt")["input_ids"]), prompt
+        with torch.no_grad():
+            diff = (model(**ids).logits - reference(**ids).logits).abs().max().item()
+        worst = max(worst, diff)
+        answer = model.generate(**ids, max_new_tokens=8, do_sample=False)
+        expected = reference.generate(**ids, max_new_tokens=8, do_sample=False)
+        assert torch.equal(answer, expected), (qtype, prompt)
+    assert 0 < worst <= TOLERANCE[qtype], (qtype, worst)  # > 0: the GGUF was read, not merged/
+    return worst
+
+
+def check_adapter_is_the_final_one(baked: Path, merged: Path, tiny_model: Path) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    assert sorted(p.name for p in (baked / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, baked / "adapter")
+    reference = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    ids = torch.tensor([[1, 30, 31, 32, 2]])
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, reference(ids).logits, atol=1e-5)
+
+
+def check_card_and_curve(baked: Path, folder: Path) -> None:
+    png = (baked / "loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
+    assert int.from_bytes(png[16:20], "big") == 700 and int.from_bytes(png[20:24], "big") == 400
+    metrics = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    card = (baked / "README.md").read_text()
+    assert "| step | loss | eval_loss | lr | phase |" in card and "](loss.png)" in card
+    rows = [line for line in card.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
+    by_step = {m["step"]: m for m in metrics}
+    assert [int(r.split("|")[1]) for r in rows] == [4, 8]  # the eval steps; 8 is also the last
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        m = by_step[int(cells[0])]
+        assert cells[1:] == [f"{m['loss']:.4f}", f"{m['eval_loss']:.4f}", f"{m['lr']:.2e}", m["phase"]]
+    for name in ("tiny-f16.gguf", "tiny-q8_0.gguf", "Modelfile", "adapter/", "ollama create"):
+        assert name in card, name
+
+
+def test_bake_in_every_format(project, tiny_model):
+    project.plan["bake"] = {"formats": FORMATS}
+    project.write()
+    report = bake_json(str(project.plan_path))
+    assert report["state"] == "done"
+    folder = Path(report["folder"])
+    baked, merged = folder / "baked", folder / "merged"
+    assert sorted(gguf_files(baked)) == ["f16", "q8_0"]
+    assert (baked / "model.safetensors").samefile(merged / "model.safetensors")
+
+    for qtype in ("f16", "q8_0"):
+        check_gguf_metadata(gguf_files(baked)[qtype], qtype, merged)
+        print(f"{qtype}: largest logit difference {check_gguf_answers_like_merged(baked, merged, qtype):.2e}")
+
+    assert (baked / "Modelfile").read_text() == (
+        "FROM ./tiny-f16.gguf\n"  # the first GGUF listed
+        "\n"
+        'TEMPLATE """{{- range .Messages }}<|im_start|>{{ .Role }}\n'
+        "{{ .Content }}<|im_end|>\n"
+        "{{ end }}<|im_start|>assistant\n"
+        '"""\n'
+        "\n"
+        'PARAMETER stop "<|im_end|>"\n'
+        'PARAMETER stop "<|im_start|>"\n'
+    )
+    check_adapter_is_the_final_one(baked, merged, tiny_model)
+    check_card_and_curve(baked, folder)
+
+    # a rerun does nothing; dropping a format rebakes only baked/
+    assert bake_json(str(project.plan_path))["ran"] == []
+    project.plan["bake"] = {"formats": ["gguf-q8_0"]}
+    project.write()
+    again = bake_json(str(project.plan_path))
+    assert again["ran"] == ["resolve", "bake"]
+    assert sorted(p.name for p in baked.iterdir()) == ["README.md", "loss.png", "tiny-q8_0.gguf"]
+
+
+@pytest.mark.xfail(strict=True, reason="check_formats is not yet called before training (config step)")
+def test_gguf_of_an_unsupported_model_fails_before_training(project, tmp_path):
+    import torch
+    from tiny import make_tiny_tokenizer
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = make_tiny_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(project.root / "qwen")
+    tokenizer.save_pretrained(project.root / "qwen")
+    project.plan.update(base="./qwen", bake={"formats": ["safetensors", "gguf-f16"]})
+    project.write()
+    line = one_line_error(cli("bake", str(project.plan_path), check=2))
+    assert line.endswith(
+        "bake.formats: gguf-f16 is not supported for qwen2 models (supported: llama); "
+        "remove it from bake.formats"
+    )
+    assert not list((tmp_path / "runs").glob("*/checkpoints/step-*"))
