@@ -1,3 +1,62 @@
-"""overbrainer: fine-tuning a language model, declared as a build."""
+"""overbrainer: fine-tuning a language model, declared as a build.
+
+The Python API (what a notebook touches)::
+
+    import overbrainer
+    run = overbrainer.bake("plans/demo.json")      # returns at once: the run has its own process
+    run.progress()                                 # state, step of steps, loss, eval_loss, eta
+    run.metrics()                                  # the loss curve so far, as a pyarrow Table
+    run.stop(); run.resume()                       # from the last checkpoint, exactly
+    model = run.wait()                             # the baked model, when it is done
+    model.chat("Hello!")
+    run.checkpoint(18).chat("Hello!")              # any checkpoint as a model
+
+Heavy libraries (torch, transformers) load only when a model is loaded or trained.
+"""
+
+from __future__ import annotations
 
 __version__ = "0.1.0"
+
+__all__ = ["bake", "run", "runs", "Run", "Model", "__version__"]
+
+
+def bake(plan, wait: bool = False, runs=None, show: bool = True):
+    """Bake a plan in its own process and return its `Run` at once (``wait=True``: wait
+    for the end, showing progress, and return the baked model). Baking the same plan again
+    finds its folder: it follows a running bake, resumes a stopped one, or finds it done."""
+    from ._run import ACTIVE, Run, launch
+    from .build import compile_bake, dry_run
+
+    compiled = compile_bake(plan, runs=runs, quiet=True)
+    handle = Run(compiled.folder.root)
+    if handle.state not in ACTIVE and any(row["run"] for row in dry_run(compiled)):
+        before = handle.attempts()
+        handle.wait_started(before, launch(compiled.plan_path, compiled.folder))
+    return handle.wait(show=show) if wait else handle
+
+
+def run(folder):
+    """The run in `folder` (a run folder such as ``runs/demo``)."""
+    from ._run import Run
+
+    return Run(folder)
+
+
+def runs(root=None):
+    """Every run under the runs folder (``$OVERBRAINER_RUNS`` or ``./runs``)."""
+    from ._run import runs as all_runs
+
+    return all_runs(root)
+
+
+def __getattr__(name):
+    if name == "Run":
+        from ._run import Run
+
+        return Run
+    if name == "Model":
+        from .models import Model
+
+        return Model
+    raise AttributeError(name)

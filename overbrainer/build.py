@@ -110,8 +110,8 @@ def run_bake(bake: Bake, task: str = "train") -> int:
     from doit.cmd_base import ModuleTaskLoader
     from doit.doit_cmd import DoitMain
 
+    from ._run import Run
     from .graph import doit_tasks
-    from .run import Run
 
     bake.folder.root.mkdir(parents=True, exist_ok=True)
     with _exclusive(bake.folder):
@@ -119,7 +119,7 @@ def run_bake(bake: Bake, task: str = "train") -> int:
         attempts = record._read().get("attempts", [])
         attempt = {"start": _now(), "pid": os.getpid()}
         bake.folder.stop_request.unlink(missing_ok=True)
-        from .run import this_process
+        from ._run import this_process
 
         record.update(
             state="starting", where="here", plan_file=str(bake.plan_path), process=this_process(),
@@ -162,7 +162,7 @@ def outcome(error: BaseException | None) -> tuple[str, str | None, str | None]:
 
 
 def _now() -> str:
-    from .run import now
+    from ._run import now
 
     return now()
 

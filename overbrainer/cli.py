@@ -146,9 +146,9 @@ def _bake_here(bake, report: dict, as_json: bool, out) -> int:
 
 
 def _bake_detached(bake, report: dict, args, out) -> int:
+    from ._run import ACTIVE, Run, launch
     from .build import dry_run
     from .follow import follow
-    from .run import ACTIVE, Run, launch
 
     run = Run(bake.folder.root)
     if run.state in ACTIVE:
@@ -182,7 +182,7 @@ def _bake_detached(bake, report: dict, args, out) -> int:
 
 def _finish(folder: Path, report: dict, as_json: bool, out, quiet: bool) -> int:
     """Tell how the last bake of `folder` ended, from its run.json; the exit code."""
-    from .run import Run
+    from ._run import Run
 
     status = Run(folder).status
     result = status.get("result") or {}
@@ -233,8 +233,8 @@ def _shown(path: Path) -> str:
 
 def _run(value: str, runs: str | None):
     """A run from a folder, a run name, or the plan that names it."""
+    from ._run import Run
     from .layout import runs_root
-    from .run import Run
 
     path = Path(value)
     if path.is_file() and path.suffix == ".json":
@@ -251,8 +251,8 @@ def _run(value: str, runs: str | None):
 
 
 def cmd_status(args) -> int:
+    from ._run import runs
     from .follow import describe
-    from .run import runs
 
     targets = [_run(args.run, args.runs)] if args.run else runs(args.runs)
     rows = []
@@ -343,7 +343,7 @@ def _cell(value) -> str:
 def cmd_log(args) -> int:
     import time
 
-    from .run import ACTIVE
+    from ._run import ACTIVE
 
     run = _run(args.run, args.runs)
     text = run.log(args.lines)

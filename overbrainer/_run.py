@@ -1,5 +1,8 @@
 """A run: a folder, a process of its own, and a model at the end.
 
+(A private module: the public names are ``overbrainer.Run``, ``overbrainer.run`` and
+``overbrainer.runs``; a module named ``run`` would shadow the function ``overbrainer.run``.)
+
 ``run.json`` is the run's state, written atomically by the process that bakes the folder
 (the supervisor) and read by anyone::
 
