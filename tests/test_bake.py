@@ -34,7 +34,9 @@ def test_bake_makes_every_artifact(baked):
     assert meta["step"] == 8 and meta["decayed"] is True and meta["phase"] == "decay"
     assert json.loads((folder / "checkpoints/step-000003/meta.json").read_text())["decayed"] is False
 
-    lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["stage"] == "train"  # the job's stage event comes before its steps
+    lines = [m for m in records if "step" in m]
     assert [m["step"] for m in lines] == list(range(1, 9))
     for m in lines:
         assert {"step", "tokens", "loss", "lr", "seconds", "phase"} <= set(m)
@@ -117,7 +119,7 @@ def test_learning_rate_edit_retrains_without_resplitting(baked):
     # the older run's checkpoints were moved aside, not deleted
     attic = list((folder / "attic").glob("*/checkpoints/step-000008/adapter_model.safetensors"))
     assert len(attic) == 1
-    lr = [json.loads(x)["lr"] for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    lr = [m["lr"] for m in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "step" in m]
     assert max(lr) == pytest.approx(0.001)
 
 

@@ -7,18 +7,14 @@ to ``attic/`` before training starts, never deleted: a trained model is expensiv
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
 
-from ..errors import RunFailed, RunStopped
+from ..errors import OverbrainerError, RunFailed, RunStopped
 from ..stamps import fingerprint, outputs_digest
 from ..trainers import checkpoint as ckpt
 from . import NotReady, Outputs, upstream
@@ -90,35 +86,25 @@ def set_aside_other_runs(run_dir: Path, checkpoints: Path, fp: str) -> None:
         shutil.move(str(metrics), str(dest / "metrics.jsonl"))
 
 
-def trainer_command(config: Path) -> list[str]:
-    return [sys.executable, "-m", "overbrainer.trainers.loop", str(config)]
-
-
 def launch(bake: Bake, fp: str, max_steps: int) -> int:
-    """Run the trainer with its output appended to log.txt, printing its metric lines as
-    they come. The trainer dies with this process (it is not a detached run)."""
+    """Run the trainer's job where the plan says, printing its metric lines as they come."""
+    from ..targets import Here
+    from ..trainers import NoTrainingData, get_trainer
+
     folder = bake.folder
-    env = dict(os.environ, OVERBRAINER_FINGERPRINT=fp, PYTHONUNBUFFERED="1")
-    seen = _line_count(folder.metrics)
-    with open(folder.log, "ab") as log:
-        log.write(f"--- {datetime.now(timezone.utc).isoformat(timespec='seconds')} train\n".encode())
-        log.flush()
-        proc = subprocess.Popen(
-            trainer_command(folder.config),
-            cwd=folder.root,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
-        )
-        bake.tell(state="running", steps=max_steps)
-        while True:
-            code = proc.poll()
-            seen = _report_new_lines(bake, folder.metrics, seen, max_steps)
-            if code is not None:
-                return code
-            time.sleep(0.2)
+    trainer = get_trainer(bake.plan.train.trainer)
+    seen = [_line_count(folder.metrics)]
+
+    def poll() -> None:
+        seen[0] = _report_new_lines(bake, folder.metrics, seen[0], max_steps)
+
+    bake.tell(state="running", steps=max_steps)
+    try:
+        return Here().run(trainer, folder.root, {"OVERBRAINER_FINGERPRINT": fp}, folder.log, poll)
+    except NoTrainingData as e:
+        raise OverbrainerError(str(e)) from None
+    finally:
+        poll()
 
 
 def _report_new_lines(bake: Bake, metrics: Path, seen: int, max_steps: int) -> int:
@@ -134,6 +120,8 @@ def _report_new_lines(bake: Bake, metrics: Path, seen: int, max_steps: int) -> i
         except ValueError:
             break  # a line still being written
         seen += 1
+        if "step" not in m:
+            continue  # a stage event
         bake.tell(step=m["step"])
         rate = m["tokens"] / max(m["seconds"], 1e-9)
         ev = f"  eval {m['eval_loss']:.4f}" if m.get("eval_loss") is not None else ""
@@ -146,18 +134,6 @@ def _line_count(path: Path) -> int:
         return len(path.read_text().splitlines())
     except OSError:
         return 0
-
-
-def _die_with_parent() -> None:
-    """Linux: the trainer gets SIGKILL when the process that started it dies."""
-    try:
-        import ctypes
-        import signal
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def tail(path: Path, lines: int) -> str:

@@ -271,8 +271,8 @@ def truncate_metrics(path: Path, step: int) -> None:
             record = json.loads(raw)
         except ValueError:
             continue  # a line torn by a kill
-        if record.get("step", 0) <= step and "step" in record:
-            keep.append(raw)
+        if "step" not in record or record["step"] <= step:
+            keep.append(raw)  # stage events stay; steps past the checkpoint go
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(k + "\n" for k in keep))
     os.replace(tmp, path)

@@ -1,0 +1,19 @@
+"""Trainers: the Trainer protocol and its implementations (built-in, Axolotl)."""
+
+from __future__ import annotations
+
+from .protocol import Artifacts, NoTrainingData, Trainer
+
+__all__ = ["Artifacts", "NoTrainingData", "Trainer", "get_trainer"]
+
+
+def get_trainer(name: str) -> Trainer:
+    if name == "builtin":
+        from .builtin import Builtin
+
+        return Builtin()
+    if name == "axolotl":
+        from .axolotl import Axolotl
+
+        return Axolotl()
+    raise KeyError(name)

@@ -1,0 +1,56 @@
+"""The built-in trainer (torch + transformers + peft): one process running `loop.py`.
+
+Everything it needs is already in the run folder when the config step is done
+(``config.yaml`` and ``examples.parquet``), so `prepare` only checks there is something
+to train on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .protocol import STAGE_TRAIN, Artifacts, NoTrainingData
+
+CONFIG = "config.yaml"
+EXAMPLES = "examples.parquet"
+METRICS = "metrics.jsonl"
+STOPPED = "stopped.json"
+
+
+class Builtin:
+    name = "builtin"
+
+    def __init__(self, threads: int | None = None):
+        self.threads = threads
+
+    def prepare(self, run_dir: Path, root: str) -> None:
+        examples = Path(run_dir) / EXAMPLES
+        if not examples.is_file() or examples.stat().st_size == 0:
+            raise NoTrainingData(examples)
+
+    def commands(self) -> list[list[str]]:
+        return [["python", "-m", "overbrainer.trainers.loop", CONFIG]]
+
+    def env(self, root: str) -> dict[str, str]:
+        env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        if self.threads:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        return env
+
+    def metrics_file(self) -> str:
+        return METRICS
+
+    def artifacts(self) -> Artifacts:
+        return Artifacts(entries=["checkpoints", METRICS, "log.txt", STOPPED], exclude=[".tmp-*"], required="checkpoints")
+
+    def stop_marker(self) -> str | None:
+        return STOPPED
+
+    def stages(self) -> list[str]:
+        return [STAGE_TRAIN]
+
+    def metrics_required(self) -> bool:
+        return True
+
+    def caches_tools(self) -> bool:
+        return False
