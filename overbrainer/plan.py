@@ -31,7 +31,7 @@ BAKE_FORMATS = (
     "ollama",
     "adapter",
 )
-TRAINERS = ("builtin",)
+TRAINERS = ("builtin", "axolotl")
 
 
 class _Settings(BaseModel):
@@ -74,7 +74,7 @@ class Schedule(_Settings):
 class TrainSettings(_Settings):
     """How to train."""
 
-    trainer: Literal["builtin"] = "builtin"
+    trainer: Literal["builtin", "axolotl"] = "builtin"
     adapter: Literal["lora", "full"] = "lora"
     lora_r: int = Field(default=16, gt=0, le=4096)
     lora_alpha: int = Field(default=32, gt=0, le=65536)
@@ -94,6 +94,10 @@ class TrainSettings(_Settings):
     save_every: int = Field(default=50, gt=0, description="Steps between checkpoints.")
     eval_every: int = Field(default=50, gt=0, description="Steps between validation losses.")
     seed: int = 0
+    processes: int = Field(
+        default=1, ge=1, le=1024,
+        description="Training processes on this machine (torchrun; DDP with gloo on CPU, NCCL on GPU).",
+    )
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainSettings:
@@ -123,6 +127,15 @@ class BakeSettings(_Settings):
         return formats
 
 
+class SSHTarget(_Settings):
+    """Train on another machine over OpenSSH."""
+
+    ssh: Annotated[str, Field(min_length=1, description="user@host (or a Host of ~/.ssh/config)")]
+    workdir: str = Field(default="overbrainer", description="Where runs live there (relative to its home).")
+    port: int | None = Field(default=None, ge=1, le=65535)
+    identity: str | None = Field(default=None, description="A private key file for this host.")
+
+
 class Plan(_Settings):
     """A fine-tune, declared."""
 
@@ -132,6 +145,9 @@ class Plan(_Settings):
     split: SplitSettings = Field(default_factory=SplitSettings)
     train: TrainSettings = Field(default_factory=TrainSettings)
     bake: BakeSettings = Field(default_factory=BakeSettings)
+    where: Literal["here", "export"] | SSHTarget = Field(
+        default="here", description='"here", "export" (a bundle to run anywhere), or {"ssh": "user@host"}.'
+    )
 
     @property
     def data_files(self) -> list[str]:

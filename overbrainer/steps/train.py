@@ -37,7 +37,8 @@ def inputs(bake: Bake) -> dict:
     # the run is what the config says, with the base model known by its content rather
     # than by where the cache put it: a cache moved elsewhere retrains nothing
     cfg["base_model"] = outputs_digest(base)
-    return {"config": cfg, "examples": outputs_digest(split)}
+    # the world size changes the arithmetic (gradients are all-reduced): exact per size
+    return {"config": cfg, "examples": outputs_digest(split), "processes": bake.plan.train.processes}
 
 
 def run(bake: Bake, inputs: dict) -> Outputs:
