@@ -93,7 +93,7 @@ def launch(bake: Bake, fp: str, max_steps: int) -> int:
     from ..trainers import NoTrainingData, get_trainer
 
     folder = bake.folder
-    trainer = get_trainer(bake.plan.train.trainer)
+    trainer = get_trainer(bake.plan.train.trainer, processes=bake.plan.train.processes)
     seen = [_line_count(folder.metrics)]
 
     def poll() -> None:

@@ -7,11 +7,11 @@ from .protocol import Artifacts, NoTrainingData, Trainer
 __all__ = ["Artifacts", "NoTrainingData", "Trainer", "get_trainer"]
 
 
-def get_trainer(name: str) -> Trainer:
+def get_trainer(name: str, processes: int = 1) -> Trainer:
     if name == "builtin":
         from .builtin import Builtin
 
-        return Builtin()
+        return Builtin(processes=processes)
     if name == "axolotl":
         from .axolotl import Axolotl
 

@@ -20,7 +20,8 @@ STOPPED = "stopped.json"
 class Builtin:
     name = "builtin"
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, processes: int = 1, threads: int | None = None):
+        self.processes = processes
         self.threads = threads
 
     def prepare(self, run_dir: Path, root: str) -> None:
@@ -29,7 +30,11 @@ class Builtin:
             raise NoTrainingData(examples)
 
     def commands(self) -> list[list[str]]:
-        return [["python", "-m", "overbrainer.trainers.loop", CONFIG]]
+        loop = ["-m", "overbrainer.trainers.loop", CONFIG]
+        if self.processes > 1:
+            # torch's own launcher: a rendezvous on this machine, N workers, restarts none
+            return [["python", "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.processes}", *loop]]
+        return [["python", *loop]]
 
     def env(self, root: str) -> dict[str, str]:
         env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}

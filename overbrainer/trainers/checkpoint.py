@@ -7,12 +7,13 @@
     model.safetensors           instead of the two above, for a full fine-tune
     config.json                 (full fine-tune only) the model's config
     trainer_state.pt            optimizer, scheduler and every RNG state: exact resume.
+    rng-rankN.pt                (several processes) each rank's RNG state
                                 Tensors, numbers and strings only: read with
                                 torch.load(weights_only=True)
     meta.json                   the readable sidecar: step, steps, phase, decayed, loss,
                                 eval_loss, tokens, seconds, data position, fingerprint
 
-It is written into ``checkpoints/.tmp-step-NNNNNN-<pid>/``, every file fsynced, then renamed
+It is written into ``checkpoints/.tmp-step-NNNNNN/``, every file fsynced, then renamed
 into place: a folder named ``step-*`` with a ``meta.json`` is complete. Temp folders left by
 a killed process are removed when training starts again, never read.
 """
@@ -77,11 +78,9 @@ def save(checkpoints: Path, step: int, model, optimizer, scheduler, meta: dict) 
     """Write checkpoint `step` atomically. `model` is the PEFT model (LoRA) or the model."""
     import torch
 
-    checkpoints.mkdir(parents=True, exist_ok=True)
     final = step_dir(checkpoints, step)
-    tmp = checkpoints / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = tmp_dir(checkpoints, step)
+    tmp.mkdir(parents=True, exist_ok=True)  # other ranks may have put their RNG in
     # PEFT writes the adapter alone; a plain model writes its weights and config
     model.save_pretrained(tmp, safe_serialization=True)
     torch.save(
@@ -96,6 +95,26 @@ def save(checkpoints: Path, step: int, model, optimizer, scheduler, meta: dict) 
     os.replace(tmp, final)
     _fsync_dir(checkpoints)
     return final
+
+
+def tmp_dir(checkpoints: Path, step: int) -> Path:
+    # one trainer per run folder (the bake's lock): the name needs no pid
+    return checkpoints / f".tmp-{step_dir(checkpoints, step).name}"
+
+
+def save_rank_rng(checkpoints: Path, step: int, rank: int) -> None:
+    """A rank's RNG state, into the checkpoint being written (several processes)."""
+    import torch
+
+    tmp = tmp_dir(checkpoints, step)
+    tmp.mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(), tmp / f"rng-rank{rank}.pt")
+
+
+def load_rank_rng(folder: Path, rank: int) -> dict:
+    import torch
+
+    return torch.load(folder / f"rng-rank{rank}.pt", weights_only=True, map_location="cpu")
 
 
 def load_state(folder: Path) -> dict:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import yaml
 
 from . import checkpoint as ckpt
+from .dist import World
 from .examples import IGNORE, Order, collate, load_examples, micro_batches
 
 STOP_EXIT = 0  # a stop on request is a success: the stopped marker says it was not the end
@@ -50,8 +51,11 @@ def train(config_path: Path) -> int:
     decay = cfg["lr_scheduler_kwargs"]["num_decay_steps"]
     save_every, eval_every = cfg["save_steps"], cfg["eval_steps"]
 
-    torch.manual_seed(cfg["seed"])
+    world = World()
+    torch.manual_seed(cfg["seed"])  # the same initial adapter on every rank
     model, tokenizer = load_model(cfg)
+    if world.size > 1:
+        torch.manual_seed(cfg["seed"] + 7919 * world.rank)  # but its own dropout
     examples_path = run_dir / cfg["datasets"][0]["path"]
     train_set, val_set, dropped = load_examples(examples_path, tokenizer, cfg["sequence_len"])
     if not train_set:
@@ -77,7 +81,9 @@ def train(config_path: Path) -> int:
         state = ckpt.load_state(folder)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        ckpt.set_rng_state(state["rng"])
+        if meta.get("world_size", 1) != world.size:
+            raise SystemExit(f"{folder.name} was made by {meta.get('world_size', 1)} processes, not {world.size}")
+        ckpt.set_rng_state(state["rng"] if world.size == 1 else ckpt.load_rank_rng(folder, world.rank))
         tokens, seconds = meta["tokens"], meta["seconds"]
         last = {"loss": meta.get("loss"), "eval_loss": meta.get("eval_loss")}
         print(f"resuming from {folder.name} (step {step} of {max_steps})", flush=True)
@@ -85,6 +91,15 @@ def train(config_path: Path) -> int:
 
     def save_checkpoint(k: int) -> None:
         nonlocal saved_step
+        if world.size > 1:
+            # every rank's RNG goes in, then rank 0 writes the rest and renames
+            world.barrier()
+            ckpt.save_rank_rng(checkpoints, k, world.rank)
+            world.barrier()
+            if not world.main:
+                world.barrier()
+                saved_step = k
+                return
         phase = phase_of(k - 1, warmup, stable) if k else "warmup"
         meta = {
             "step": k,
@@ -102,15 +117,20 @@ def train(config_path: Path) -> int:
             "fingerprint": fingerprint,
             "adapter": cfg.get("adapter") or "full",
             "base_model": cfg["base_model"],
+            "world_size": world.size,
         }
         ckpt.save(checkpoints, k, model, optimizer, scheduler, meta)
         saved_step = k
+        world.barrier()
 
-    truncate_metrics(metrics_path, step)
-    stopped_marker.unlink(missing_ok=True)
-    print(
+    say = print if world.main else (lambda *a, **k: None)
+    if world.main:
+        truncate_metrics(metrics_path, step)
+        stopped_marker.unlink(missing_ok=True)
+    say(
         f"training {sum(p.numel() for p in params):,} parameters on {len(train_set)} conversations "
-        f"({len(val_set)} for validation), {max_steps} steps of {mbs}x{gas}",
+        f"({len(val_set)} for validation), {max_steps} steps of {mbs}x{gas}"
+        + (f" shared by {world.size} processes" if world.size > 1 else ""),
         flush=True,
     )
 
@@ -118,11 +138,13 @@ def train(config_path: Path) -> int:
     started = time.monotonic() - seconds
     while step < max_steps:
         # a stop asked by `overbrainer stop`: save where we are, say so, end
-        if stop_request.exists():
+        if world.agree(stop_request.exists()):
             if saved_step != step:
                 save_checkpoint(step)
-            stopped_marker.write_text(json.dumps({"step": step, "steps": max_steps}))
-            print(f"stopped at step {step} on request", flush=True)
+            if world.main:
+                stopped_marker.write_text(json.dumps({"step": step, "steps": max_steps}))
+            say(f"stopped at step {step} on request", flush=True)
+            world.close()
             return STOP_EXIT
 
         lr = scheduler.get_last_lr()[0]
@@ -132,13 +154,17 @@ def train(config_path: Path) -> int:
 
         # micro-steps: each micro-batch's summed loss over the step's loss tokens, so the
         # gradient is that of the whole step whatever the micro-batching
-        step_loss = 0.0
-        for micro in micro_batches(batch, mbs):
+        # (with several processes, each takes its share of the micro-batches)
+        step_loss, step_tokens = 0.0, 0
+        for micro in world.mine(micro_batches(batch, mbs)):
             inputs = collate(micro, pad_id)
             loss = token_loss(model, inputs) / loss_tokens
             loss.backward()
             step_loss += loss.item()
-            tokens += int(inputs["attention_mask"].sum())
+            step_tokens += int(inputs["attention_mask"].sum())
+        world.sum_grads(params)
+        step_loss = world.sum(step_loss)
+        tokens += int(world.sum(step_tokens))
 
         torch.nn.utils.clip_grad_norm_(params, cfg["max_grad_norm"])
         optimizer.step()
@@ -148,14 +174,15 @@ def train(config_path: Path) -> int:
 
         line = {"step": step, "tokens": tokens, "loss": round(step_loss, 6), "lr": lr}
         if step % eval_every == 0 or step == max_steps:
-            line["eval_loss"] = round(evaluate(model, val_set, mbs, pad_id), 6) if val_set else None
+            line["eval_loss"] = round(evaluate(model, val_set, mbs, pad_id, world), 6) if val_set else None
             last["eval_loss"] = line["eval_loss"]
         seconds = time.monotonic() - started
         line.update(seconds=round(seconds, 3), phase=phase)
         last["loss"] = line["loss"]
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(line) + "\n")
-        print(
+        if world.main:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        say(
             f"step {step}/{max_steps} loss {step_loss:.4f}"
             + (f" eval {line['eval_loss']:.4f}" if line.get("eval_loss") is not None else "")
             + f" lr {lr:.3g} {tokens / max(seconds, 1e-9):.0f} tok/s",
@@ -165,6 +192,7 @@ def train(config_path: Path) -> int:
         if step % save_every == 0 or step == max_steps:
             save_checkpoint(step)
 
+    world.close()
     return 0
 
 
@@ -189,15 +217,16 @@ def token_loss(model, inputs: dict) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model, examples, mbs: int, pad_id: int) -> float:
+def evaluate(model, examples, mbs: int, pad_id: int, world: World) -> float:
+    """Mean loss per assistant token over the validation set (shared by the ranks)."""
     model.eval()
     total, count = 0.0, 0
-    for micro in micro_batches(examples, mbs):
+    for micro in world.mine(micro_batches(examples, mbs)):
         inputs = collate(micro, pad_id)
         total += token_loss(model, inputs).item()
         count += sum(e.loss_tokens for e in micro)
     model.train()
-    return total / max(count, 1)
+    return world.sum(total) / max(world.sum(count), 1)
 
 
 def make_schedule(optimizer, warmup: int, stable: int, decay: int):
@@ -296,6 +325,12 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m overbrainer.trainers.loop RUN_DIR/config.yaml", file=sys.stderr)
         return 2
     config = Path(argv[0]).absolute()
+    if "LOCAL_RANK" in os.environ:
+        # under torchrun: die with it (a killed bake kills torchrun, which cannot then
+        # take its workers down; a parent-death signal is not inherited across fork)
+        from ..targets import _die_with_parent
+
+        _die_with_parent()
     _stop_on_signal(config.parent / "stop")
     return train(config)
 

@@ -1,0 +1,41 @@
+"""The built-in trainer on 2 CPU processes (torchrun, gloo): the same math as one process,
+and exact resume for that world size."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import bake_json
+from test_resume import kill_bake_at
+
+
+def metric_lines(folder: Path) -> list[dict]:
+    return [m for m in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "step" in m]
+
+
+def final(folder: Path) -> bytes:
+    return (folder / "checkpoints/step-000008/adapter_model.safetensors").read_bytes()
+
+
+def test_two_processes_match_one_and_resume_exactly(project, tmp_path):
+    project.write(lora_dropout=0.0)
+    one = Path(bake_json(str(project.plan_path), "--runs", str(tmp_path / "one"))["folder"])
+    project.write(processes=2)
+    two = Path(bake_json(str(project.plan_path), "--runs", str(tmp_path / "two"))["folder"])
+    log = (two / "log.txt").read_text()
+    assert "torch.distributed.run" in log and "shared by 2 processes" in log
+    meta = json.loads((two / "checkpoints/step-000008/meta.json").read_text())
+    assert meta["world_size"] == 2
+    # the same examples, the same normalization: one process's losses, up to summation order
+    for a, b in zip(metric_lines(one), metric_lines(two), strict=True):
+        assert a["step"] == b["step"] and a["tokens"] == b["tokens"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+
+    runs = tmp_path / "killed"
+    kill_bake_at(runs, project.plan_path, 5)
+    again = bake_json(str(project.plan_path), "--runs", str(runs))
+    assert "resuming from step-000003" in (runs / "tiny" / "log.txt").read_text()
+    assert again["state"] == "done"
+    assert final(runs / "tiny") == final(two)
