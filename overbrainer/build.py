@@ -20,7 +20,7 @@ from .hashing import HashCache
 from .layout import RunFolder, runs_root
 from .plan import Plan, load_plan
 
-__all__ = ["Bake", "compile_bake", "run_bake", "dry_run", "doit_config"]
+__all__ = ["Bake", "compile_bake", "run_bake", "dry_run", "would_run", "doit_config"]
 
 
 @dataclass
@@ -168,7 +168,8 @@ def _now() -> str:
 
 
 def dry_run(bake: Bake) -> list[dict]:
-    """Each step, whether it would run, and why: nothing is run or written."""
+    """Each step, whether it would run, and why: nothing is run, and nothing written but
+    the hash cache (a file whose mtime changed is hashed here once, not on every check)."""
     from .graph import DEPS, STEPS
     from .steps import check
 
@@ -180,9 +181,35 @@ def dry_run(bake: Bake) -> list[dict]:
             rows.append({"step": module.NAME, "run": False, "why": "up to date"})
             continue
         will_run.add(module.NAME)
-        why = status.reason if status.fingerprint or not after else f"after {', '.join(after)}"
+        # its own reason when it has one (its inputs or outputs changed); else it only
+        # follows a step before it (waits for it, or is up to date until that one reruns)
+        own = status.fingerprint is not None and not status.up_to_date
+        why = status.reason if own or not after else f"after {', '.join(after)}"
         rows.append({"step": module.NAME, "run": True, "why": why})
+    if bake.folder.root.is_dir():  # a plan never baked gets no folder from a dry run
+        bake.hashes.save()
     return rows
+
+
+def would_run(bake: Bake) -> list[dict]:
+    """What ``bake --check`` tells: the steps that would run, with why; empty when
+    everything is up to date. Reads stamps only (no torch), like `dry_run`."""
+    return [row for row in dry_run(bake) if row["run"]]
+
+
+def memory_estimate(bake: Bake):
+    """The sizing estimate (sizing.Estimate) when the base model is already local, else None."""
+    from .stamps import read_stamp
+    from .steps.config import size
+
+    stamp = read_stamp(bake.folder.stamp("base"))
+    folder = Path(stamp.summary["folder"]) if stamp else (Path(bake.base.location) if bake.base.kind == "folder" else None)
+    if folder is None or not (folder / "config.json").is_file():
+        return None
+    try:
+        return size(bake.plan.train, folder)
+    except OverbrainerError as e:
+        return str(e)
 
 
 class AlreadyRunning(RunStateError):
@@ -230,7 +257,9 @@ def _reporter(bake: Bake):
 
     class BakeReporter(ConsoleReporter):
         def execute_task(self, task):
-            pass
+            # run.json names the step under way: what `overbrainer graph` shows as running
+            if ":" in task.name:
+                bake.tell(task=task.name.split(":", 1)[1])
 
         def skip_uptodate(self, task):
             if ":" in task.name:

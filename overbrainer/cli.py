@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bake", help="bake a plan: run every step that is not up to date")
     p.add_argument("plan", help="the plan file, e.g. plans/demo.json")
     p.add_argument("--dry-run", action="store_true", help="list the steps that would run, and why")
+    p.add_argument("--check", action="store_true",
+                   help="run nothing: exit 0 when everything is up to date, 1 when a step would run (listed, with why)")
     p.add_argument("--json", action="store_true", help="end with one JSON object (folder, steps run and skipped, state)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--detach", action="store_true", help="start the run in its own process and return at once")
@@ -33,6 +35,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--runs", dest="runs_here", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bake)
+
+    p = sub.add_parser("graph", help="the plan's graph: steps and the files they write, coloured by status")
+    p.add_argument("plan", help="the plan file, e.g. plans/demo.json")
+    p.add_argument("--format", choices=["text", "mermaid", "dot"], default="text")
+    p.add_argument("--outs", action="store_true", help="the files alone, with an edge between files (like dvc dag --outs)")
+    p.add_argument("--no-status", action="store_true", help="the graph alone, the same on every machine (no stamps read)")
+    p.add_argument("--json", action="store_true", help="nodes, statuses and edges as one JSON object")
+    p.add_argument("--runs", dest="runs_here", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_graph)
+
+    p = sub.add_parser("why", help="why each step would run: what changed, and what it makes rerun")
+    p.add_argument("plan", help="the plan file, e.g. plans/demo.json")
+    p.add_argument("step", nargs="?", help="one step (with the steps before it that make it run)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--runs", dest="runs_here", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_why)
 
     p = sub.add_parser("status", help="a run's state and progress (all runs without RUN)")
     p.add_argument("run", nargs="?")
@@ -106,17 +124,39 @@ def cmd_bake(args) -> int:
     out = sys.stderr if args.json else sys.stdout
     bake = compile_bake(args.plan, runs=args.runs, out=out, quiet=args.quiet)
     report = {"folder": str(bake.folder.root), "plan": bake.plan.name}
+    if args.check:
+        return _bake_check(bake, report, args.json, out)
     if args.dry_run:
+        from .build import memory_estimate
+
         rows = dry_run(bake)
         for row in rows:
             mark = "run " if row["run"] else "ok  "
             print(f"{mark} {row['step']:<8} {row['why']}", file=out)
+        memory = memory_estimate(bake)
+        if memory is not None:
+            print(memory if isinstance(memory, str) else memory.describe(), file=out)
         if args.json:
-            print(json.dumps({**report, "steps": rows, "would_run": [r["step"] for r in rows if r["run"]]}))
+            extra = {"memory": memory.as_dict() if hasattr(memory, "as_dict") else memory}
+            print(json.dumps({**report, "steps": rows, "would_run": [r["step"] for r in rows if r["run"]], **extra}))
         return 0
     if args.foreground:
         return _bake_here(bake, report, args.json, out)
     return _bake_detached(bake, report, args, out)
+
+
+def _bake_check(bake, report: dict, as_json: bool, out) -> int:
+    """``bake --check``: like ``make -q``, the exit code says whether anything would run."""
+    from .build import would_run
+
+    rows = would_run(bake)
+    for row in rows:
+        print(f"would run {row['step']:<8} {row['why']}", file=out)
+    if not rows:
+        print(f"everything is up to date: {bake.shown(bake.folder.baked)}", file=out)
+    if as_json:
+        print(json.dumps({**report, "up_to_date": not rows, "would_run": [r["step"] for r in rows], "steps": rows}))
+    return 1 if rows else 0
 
 
 def _bake_here(bake, report: dict, as_json: bool, out) -> int:
@@ -226,6 +266,39 @@ def _shown(path: Path) -> str:
         return rel if not rel.startswith("../..") else str(path)
     except ValueError:
         return str(path)
+
+
+# -- the graph ---------------------------------------------------------------------------
+
+
+def cmd_graph(args) -> int:
+    from . import explain
+    from .build import compile_bake
+
+    bake = compile_bake(args.plan, runs=args.runs, quiet=True)
+    states = explain.steps() if args.no_status else explain.survey(bake)
+    if args.json:
+        print(json.dumps(explain.as_json(bake, states, outs=args.outs), indent=1))
+        return 0
+    color = args.format == "text" and sys.stdout.isatty()
+    sys.stdout.write(explain.render(states, args.format, outs=args.outs, plan=bake.plan_path.name, color=color))
+    return 0
+
+
+def cmd_why(args) -> int:
+    from dataclasses import asdict
+
+    from . import explain
+    from .build import compile_bake
+
+    bake = compile_bake(args.plan, runs=args.runs, quiet=True)
+    states = explain.why(bake, args.step)
+    if args.json:
+        report = {"plan": bake.plan.name, "folder": str(bake.folder.root), "steps": [asdict(s) for s in states]}
+        print(json.dumps(report, indent=1))
+        return 0
+    sys.stdout.write(explain.why_text(states))
+    return 0
 
 
 # -- runs --------------------------------------------------------------------------------

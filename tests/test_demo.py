@@ -37,6 +37,11 @@ def test_demo_bakes_on_the_real_model(tmp_path):
     assert config["num_hidden_layers"] == 30 and config["hidden_size"] == 576
     losses = [m["loss"] for m in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "step" in m]
     assert len(losses) == 3 and all(math.isfinite(x) and 0 < x < 20 for x in losses)
+    # the sizing estimate against the trainer's measured peak, on the real model
+    estimated = json.loads((folder / ".stamps/config.json").read_text())["summary"]["memory"]["total"]
+    measured = json.loads((folder / "checkpoints/step-000003/meta.json").read_text())["peak_memory"]
+    print(f"memory estimate {estimated / 2**30:.2f} GiB, measured peak {measured / 2**30:.2f} GiB")
+    assert 0.6 < estimated / measured < 2.0, (estimated, measured)
     answer = cli("chat", str(folder), "What is the capital of France?", "--max-new-tokens", "16").stdout
     assert answer.strip()
     again = bake_json(str(path))

@@ -121,10 +121,34 @@ def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: di
     return {k: v for k, v in cfg.items() if v is not None}
 
 
+def size(train: TrainSettings, base_folder: Path):
+    """The memory estimate for this plan on this machine, with the micro-batch that fits."""
+    from ..sizing import fit, model_shape
+
+    return fit(
+        model_shape(base_folder),
+        lora=train.adapter == "lora",
+        lora_r=train.lora_r,
+        targets=list(train.lora_target_modules),
+        micro_batch_size=train.micro_batch_size,
+        gradient_accumulation_steps=train.gradient_accumulation_steps,
+        sequence_len=train.sequence_len,
+    )
+
+
 def run(bake: Bake, inputs: dict) -> Outputs:
-    steps = schedule_steps(bake.plan.train, inputs["train_rows"])
+    train = bake.plan.train
+    steps = schedule_steps(train, inputs["train_rows"])
     base_folder = inputs["base_folder"]
-    cfg = build_config(bake.plan.train, base_folder, steps, special_tokens(Path(base_folder)))
+    memory = size(train, Path(base_folder))
+    if memory.micro_batch_size != train.micro_batch_size:
+        bake.say(
+            f"config: micro-batch {train.micro_batch_size} x {train.gradient_accumulation_steps} does not fit; "
+            f"training {memory.micro_batch_size} x {memory.gradient_accumulation_steps} (same examples per step)"
+        )
+        train = train.model_copy(update={"micro_batch_size": memory.micro_batch_size,
+                                         "gradient_accumulation_steps": memory.gradient_accumulation_steps})
+    cfg = build_config(train, base_folder, steps, special_tokens(Path(base_folder)))
     header = f"# written by overbrainer from {bake.shown(bake.plan_path)}; edits are overwritten\n"
     write_atomic(bake.folder.config, (header + yaml.safe_dump(cfg, sort_keys=False)).encode())
-    return Outputs(["config.yaml"], summary=steps)
+    return Outputs(["config.yaml"], summary={**steps, "memory": memory.as_dict()})

@@ -67,6 +67,7 @@ def run(bake: Bake, inputs: dict) -> Outputs:
         "tokens": meta["tokens"],
         "seconds": meta["seconds"],
         "tokens_per_second": round(meta["tokens"] / max(meta["seconds"], 1e-9), 1),
+        "peak_memory": meta.get("peak_memory"),
     }
     return Outputs(["checkpoints", "metrics.jsonl"], summary=summary)
 

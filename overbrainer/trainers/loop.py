@@ -118,6 +118,7 @@ def train(config_path: Path) -> int:
             "adapter": cfg.get("adapter") or "full",
             "base_model": cfg["base_model"],
             "world_size": world.size,
+            "peak_memory": peak_memory(),
         }
         ckpt.save(checkpoints, k, model, optimizer, scheduler, meta)
         saved_step = k
@@ -288,6 +289,15 @@ def load_weights(model, folder: Path, cfg: dict) -> None:
         for f in sorted(folder.glob("*.safetensors")):
             state.update(load_file(f))
         model.load_state_dict(state, strict=False)
+
+
+def peak_memory() -> int:
+    """Bytes: the most this process has held (RSS on CPU, allocated on GPU)."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def truncate_metrics(path: Path, step: int) -> None:

@@ -1,0 +1,52 @@
+"""Sizing: the memory estimate, the micro-batch it picks, and how close it is to the peak."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import bake_json, cli
+
+from overbrainer.errors import OverbrainerError
+from overbrainer.sizing import GiB, estimate, fit, model_shape
+
+
+@pytest.fixture
+def shape(tiny_model):
+    return model_shape(tiny_model)
+
+
+def test_shape_reads_config_and_headers(shape):
+    assert shape.layers == 2 and shape.hidden == 32 and shape.vocab == 400
+    assert shape.params == 44192  # read from the safetensors headers, not the weights
+
+
+def test_fit_keeps_examples_per_step(shape):
+    common = dict(lora=True, lora_r=8, targets=["q_proj", "v_proj"], sequence_len=512, device="cpu")
+    roomy = fit(shape, micro_batch_size=8, gradient_accumulation_steps=1, total_memory=64 * GiB, **common)
+    assert (roomy.micro_batch_size, roomy.gradient_accumulation_steps) == (8, 1)
+    one = estimate(shape, micro_batch_size=1, gradient_accumulation_steps=8, total_memory=64 * GiB, **common)
+    two = estimate(shape, micro_batch_size=2, gradient_accumulation_steps=4, total_memory=64 * GiB, **common)
+    # a budget between the two: the micro-batch that fits, and 8 examples a step still
+    budget = (one.total + two.total) / 2 / 0.85
+    tight = fit(shape, micro_batch_size=8, gradient_accumulation_steps=1, total_memory=int(budget), **common)
+    assert (tight.micro_batch_size, tight.gradient_accumulation_steps) == (1, 8)
+
+
+def test_fit_refuses_in_one_line_with_the_numbers(shape):
+    with pytest.raises(OverbrainerError) as e:
+        fit(shape, lora=True, lora_r=8, targets=["q_proj"], micro_batch_size=4, gradient_accumulation_steps=1,
+            sequence_len=4096, device="cpu", total_memory=GiB // 4)
+    message = str(e.value)
+    assert "\n" not in message and "GiB" in message and "sequence_len" in message
+
+
+def test_estimate_is_close_to_the_measured_peak(project):
+    report = bake_json(str(project.plan_path))
+    folder = Path(report["folder"])
+    estimated = json.loads((folder / ".stamps/config.json").read_text())["summary"]["memory"]["total"]
+    measured = json.loads((folder / "checkpoints/step-000008/meta.json").read_text())["peak_memory"]
+    assert 0.7 < estimated / measured < 1.6, (estimated, measured)
+    dry = cli("bake", str(project.plan_path), "--dry-run").stdout
+    assert "memory:" in dry and "GiB estimated" in dry
