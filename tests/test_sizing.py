@@ -50,3 +50,33 @@ def test_estimate_is_close_to_the_measured_peak(project):
     assert 0.7 < estimated / measured < 1.6, (estimated, measured)
     dry = cli("bake", str(project.plan_path), "--dry-run").stdout
     assert "memory:" in dry and "GiB estimated" in dry
+
+
+def test_reasoning_the_template_drops_is_warned(project, tmp_path):
+    """<think> blocks are warned about when the chat template drops them; kept otherwise."""
+    import shutil
+
+    dropping = (
+        "{% for message in messages %}{% set content = message['content'] %}"
+        "{% if message['role'] == 'assistant' and '</think>' in content %}"
+        "{% set content = content.split('</think>')[-1] %}{% endif %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>' + '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    data = project.root / "chats.jsonl"
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    for row in rows[:5]:
+        row["messages"][-1]["content"] = "<think>the user asks; answer briefly</think>" + row["messages"][-1]["content"]
+    rows[6]["messages"][-1]["reasoning_content"] = "thinking"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kept = bake_json(str(project.plan_path), "--runs", str(tmp_path / "kept"))
+    warnings = json.loads((Path(kept["folder"]) / ".stamps/config.json").read_text())["summary"]["warnings"]
+    assert len(warnings) == 1 and "reasoning fields" in warnings[0]  # the tiny template keeps <think>
+
+    shutil.copytree(project.root / "tiny", project.root / "dropping")
+    (project.root / "dropping" / "chat_template.jinja").write_text(dropping)
+    project.plan["base"] = "./dropping"
+    project.write()
+    dropped = bake_json(str(project.plan_path), "--runs", str(tmp_path / "dropped"))
+    warnings = json.loads((Path(dropped["folder"]) / ".stamps/config.json").read_text())["summary"]["warnings"]
+    assert any("5 assistant turns have <think> blocks" in w and "drops them" in w for w in warnings), warnings

@@ -136,8 +136,54 @@ def size(train: TrainSettings, base_folder: Path):
     )
 
 
+THINK = "<think>"
+
+
+def reasoning_warnings(examples: Path, data_files: list[Path], base_folder: Path) -> list[str]:
+    """Warnings for reasoning the fine-tune would silently lose: `<think>` blocks in the
+    answers that the base model's chat template drops, and `reasoning_content` /
+    `reasoning` fields, which the split keeps out (it trains role and content)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    warnings = []
+    fields = sum(p.read_bytes().count(b'"reasoning') for p in data_files if p.suffix != ".parquet")
+    if fields:
+        warnings.append(
+            f"config: the data has {fields} reasoning fields (reasoning_content / reasoning), which are not "
+            "trained on; put the reasoning in the assistant's content as <think>...</think> to train it"
+        )
+    messages = pq.read_table(examples, columns=["messages"]).column("messages")
+    flat = pc.list_flatten(messages)
+    contents, roles = pc.struct_field(flat, "content"), pc.struct_field(flat, "role")
+    thinking = pc.sum(pc.and_(pc.equal(roles, "assistant"), pc.match_substring(contents, THINK))).as_py() or 0
+    if thinking and not _template_keeps_thinking(base_folder):
+        warnings.append(
+            f"config: {thinking} assistant turns have <think> blocks and the base model's chat template drops "
+            "them: the model would learn to answer without reasoning; use a base whose template keeps "
+            "reasoning, or remove the <think> blocks from the data"
+        )
+    return warnings
+
+
+def _template_keeps_thinking(base_folder: Path) -> bool:
+    from transformers import AutoTokenizer
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    tokenizer = AutoTokenizer.from_pretrained(base_folder)
+    probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": f"{THINK}zqxprobe</think>a"}]
+    try:
+        return "zqxprobe" in tokenizer.apply_chat_template(probe, tokenize=False)
+    except Exception:  # a template that cannot render this: nothing to tell
+        return True
+
+
 def run(bake: Bake, inputs: dict) -> Outputs:
     train = bake.plan.train
+    warnings = reasoning_warnings(bake.folder.examples, bake.data_paths, Path(inputs["base_folder"]))
+    for warning in warnings:
+        bake.say(f"warning: {warning}")
     steps = schedule_steps(train, inputs["train_rows"])
     base_folder = inputs["base_folder"]
     memory = size(train, Path(base_folder))
@@ -151,4 +197,4 @@ def run(bake: Bake, inputs: dict) -> Outputs:
     cfg = build_config(train, base_folder, steps, special_tokens(Path(base_folder)))
     header = f"# written by overbrainer from {bake.shown(bake.plan_path)}; edits are overwritten\n"
     write_atomic(bake.folder.config, (header + yaml.safe_dump(cfg, sort_keys=False)).encode())
-    return Outputs(["config.yaml"], summary={**steps, "memory": memory.as_dict()})
+    return Outputs(["config.yaml"], summary={**steps, "memory": memory.as_dict(), "warnings": warnings})
