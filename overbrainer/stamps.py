@@ -31,7 +31,10 @@ from pathlib import Path
 
 from .hashing import HashCache, hash_bytes
 
-__all__ = ["Stamp", "fingerprint", "read_stamp", "write_stamp", "manifest", "verify", "outputs_digest"]
+__all__ = [
+    "Stamp", "fingerprint", "read_stamp", "write_stamp", "manifest", "verify", "outputs_digest",
+    "diff_inputs", "input_changes", "short",
+]
 
 
 @dataclass
@@ -146,26 +149,47 @@ def outputs_digest(stamp: Stamp, under: str | None = None) -> str:
 
 
 def _flatten(value, prefix: str = "") -> dict[str, object]:
+    """Leaves by dotted path. A list of dicts is flattened too, each item keyed by its
+    ``path`` when it has one (``data[chats.jsonl].hash``), else by its index; a list of
+    plain values stays one value (``train.lora_target_modules``)."""
     if isinstance(value, dict):
         out: dict[str, object] = {}
         for key, inner in value.items():
             out.update(_flatten(inner, f"{prefix}{key}."))
         return out
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        out = {}
+        base = prefix.rstrip(".")
+        for i, item in enumerate(value):
+            path = item.get("path")
+            if isinstance(path, str):
+                rest = {k: v for k, v in item.items() if k != "path"}
+                out.update(_flatten(rest, f"{base}[{path}].") or {f"{base}[{path}]": path})
+            else:
+                out.update(_flatten(item, f"{base}[{i}]."))
+        return out
     return {prefix.rstrip("."): value}
 
 
-def diff_inputs(old: dict, new: dict) -> list[str]:
-    """What changed between two fingerprints' inputs, as "field: old → new" lines."""
+def input_changes(old: dict, new: dict) -> list[tuple[str, object, object]]:
+    """What changed between two fingerprints' inputs: (field, old, new), sorted by field;
+    a field one side lacks is ``"(none)"`` there."""
     before, after = _flatten(old or {}), _flatten(new)
     changes = []
     for key in sorted(set(before) | set(after)):
         a, b = before.get(key, "(none)"), after.get(key, "(none)")
         if a != b:
-            changes.append(f"{key}: {_short(a)} → {_short(b)}")
+            changes.append((key, a, b))
     return changes
 
 
-def _short(value) -> str:
+def diff_inputs(old: dict, new: dict) -> list[str]:
+    """What changed between two fingerprints' inputs, as "field: old → new" lines."""
+    return [f"{key}: {short(a)} → {short(b)}" for key, a, b in input_changes(old, new)]
+
+
+def short(value) -> str:
+    """A value as a why-line shows it: hashes cut to 12 digits, long values to 60 characters."""
     text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value
     if len(text) == 64 and all(c in "0123456789abcdef" for c in text):
         return text[:12]  # a hash
