@@ -18,7 +18,6 @@ Every task is a subtask of the group ``train``, so ``doit train plan=...`` runs 
 
 from __future__ import annotations
 
-from functools import partial
 from typing import TYPE_CHECKING
 
 from .steps import action, check, config, merge, resolve, split, train
@@ -59,8 +58,34 @@ def downstream(name: str) -> list[str]:
     return out
 
 
-def _up_to_date(bake: Bake, module) -> bool:
-    return check(bake, module).up_to_date
+class _UpToDate:
+    """A step's doit ``uptodate`` check: its stamp. Its repr is the reason, so that
+    ``doit info`` says why a step would run, in the words of ``bake --dry-run``."""
+
+    def __init__(self, bake: Bake, module):
+        self.bake, self.module, self.reason = bake, module, None
+
+    def __call__(self) -> bool:
+        status = check(self.bake, self.module)
+        self.reason = status.reason
+        return status.up_to_date
+
+    def __repr__(self) -> str:
+        return f"stamp of {self.module.NAME}: {self.reason or 'not checked yet'}"
+
+
+def remove_stamp(bake: Bake, module, dryrun: bool = False) -> None:
+    """``doit clean``: remove a step's stamp (so that it runs again) and keep its outputs,
+    saying both; a checkpoint is never deleted by cleaning."""
+    stamp = bake.folder.stamp(module.NAME)
+    kept = ", ".join(t for t in module.TARGETS if t.startswith("(") or (bake.folder.root / t).exists())
+    verb = "would remove" if dryrun else "removed"
+    if not stamp.exists():
+        print(f"{GROUP}:{module.NAME} - no stamp to remove; outputs untouched")
+        return
+    if not dryrun:
+        stamp.unlink()
+    print(f"{GROUP}:{module.NAME} - {verb} its stamp '{stamp}'; kept its outputs: {kept or '(none yet)'}")
 
 
 def doit_tasks(bake: Bake):
@@ -74,8 +99,8 @@ def doit_tasks(bake: Bake):
             "actions": [(action, [bake, module])],
             "file_dep": [str(folder.stamp(d)) for d in DEPS[module.NAME]],
             "targets": [str(folder.stamp(module.NAME))],
-            "uptodate": [partial(_up_to_date, bake, module)],
+            "uptodate": [_UpToDate(bake, module)],
             # `doit clean` removes the stamps only: outputs stay (checkpoints are expensive)
-            "clean": True,
+            "clean": [(remove_stamp, [bake, module])],
             "verbosity": 2,
         }
