@@ -2,6 +2,10 @@
 
 ``doit list --all plan=...`` shows the steps (``train:split``, ``train:config``, ...);
 ``doit info train:train plan=...`` tells why one would run.
+
+The stamps are the source of truth: ``doit clean train:bake plan=...`` removes that step's
+stamp (so it runs again) and never its outputs; ``doit forget`` clears doit's own memory
+only, so the next ``doit train`` finds every stamp up to date and runs nothing.
 """
 
 import sys
