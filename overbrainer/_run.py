@@ -134,7 +134,7 @@ class Run:
             if data.get("state") == "stopping" and fields.get("state") == "running":
                 fields = {k: v for k, v in fields.items() if k != "state"}  # a stop asked stays asked
             data.update(fields)
-            write_atomic(self.folder.run_json, (json.dumps(data, indent=1) + "\n").encode())
+            write_atomic(self.folder.run_json, (json.dumps(data, indent=1) + "\n").encode(), fault="runjson:before-replace")
             return data
         finally:
             os.close(fd)

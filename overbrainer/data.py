@@ -578,6 +578,9 @@ def split_conversations(
                 f"{_plural(summary.rows)} in validation, which leaves none to train on",
                 "set split.validation to a smaller fraction, or add conversations",
             )
+        from . import faults
+
+        faults.point("split:before-rename")
         os.replace(tmp, out)
     except BaseException:
         for leftover in (tmp, stage, out):

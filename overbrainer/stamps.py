@@ -75,10 +75,10 @@ def write_stamp(path: str | os.PathLike, stamp: Stamp) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     stamp.finished = stamp.finished or datetime.now(timezone.utc).isoformat(timespec="seconds")
-    write_atomic(path, json.dumps(asdict(stamp), indent=1).encode())
+    write_atomic(path, json.dumps(asdict(stamp), indent=1).encode(), fault="stamp:before-replace")
 
 
-def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+def write_atomic(path: str | os.PathLike, data: bytes, fault: str | None = None) -> None:
     """Write a file so that readers see the old content or the new, never a torn one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -86,6 +86,10 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    if fault:
+        from . import faults
+
+        faults.point(fault)
     os.replace(tmp, path)
 
 

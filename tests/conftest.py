@@ -12,10 +12,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from helpers import DEMO_DATA, REPO  # noqa: E402,F401
 from tiny import make_tiny_llama  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-DEMO_DATA = REPO / "plans" / "data" / "pirate.jsonl"
+
+def pytest_addoption(parser):
+    parser.addoption("--kill-matrix", action="store_true", help="run every case of tests/reliability/")
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,10 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_DATA = REPO / "plans" / "data" / "pirate.jsonl"
 
 
 def cli(*args: str, check: int | None = 0, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:

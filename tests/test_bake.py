@@ -136,7 +136,7 @@ def test_doit_runs_the_same_graph(baked):
     import subprocess
     import sys
 
-    from conftest import REPO
+    from helpers import REPO
 
     project, report = baked
     proc = subprocess.run(

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 from helpers import bake_json, cli
 
 from overbrainer.plan import load_plan

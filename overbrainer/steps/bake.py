@@ -89,5 +89,5 @@ def run(bake: Bake, inputs: dict) -> Outputs:
     metrics = read_metrics(folder.metrics)
     plot_loss(metrics, tmp / "loss.png", title=name)
     (tmp / "README.md").write_text(model_card(inputs["card"], metrics, files), encoding="utf-8")
-    replace_folder(tmp, folder.baked)
+    replace_folder(tmp, folder.baked, fault="bake:before-rename")
     return Outputs(["baked"])

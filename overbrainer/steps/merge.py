@@ -36,6 +36,13 @@ def run(bake: Bake, inputs: dict) -> Outputs:
 
     cfg = yaml.safe_load(bake.folder.config.read_text())
     checkpoint = bake.folder.checkpoints / inputs["checkpoint_name"]
+    if bake.plan.train.trainer == "axolotl" and inputs["adapter"] == "lora":
+        from ..trainers.axolotl import adopt_merged
+
+        # the job's merge-lora made it from this checkpoint: adopted, not merged again
+        if adopt_merged(bake.folder.root, checkpoint, bake.folder.merged, cfg.get("special_tokens") or {}):
+            bake.say(f"merge: {bake.shown(checkpoint)} merged by Axolotl's merge-lora")
+            return Outputs(["merged"])
     bake.say(f"merge: {bake.shown(checkpoint)} into the base model")
     merge_into(
         Path(inputs["base_folder"]), checkpoint, bake.folder.merged, cfg.get("special_tokens") or {}, lora=inputs["adapter"] == "lora"
@@ -71,10 +78,10 @@ def merge_into(base_folder: Path, checkpoint: Path, dest: Path, special_tokens: 
     )
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    replace_folder(tmp, dest)
+    replace_folder(tmp, dest, fault="merge:before-rename")
 
 
-def replace_folder(new: Path, dest: Path) -> None:
+def replace_folder(new: Path, dest: Path, fault: str | None = None) -> None:
     """Put folder `new` at `dest`: the old one is renamed away first, then removed, so that
     `dest` is at every moment absent or complete."""
     for p in new.iterdir():
@@ -83,6 +90,10 @@ def replace_folder(new: Path, dest: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+    if fault:
+        from .. import faults
+
+        faults.point(fault)
     old = dest.with_name(f".old-{dest.name}")
     if dest.exists():
         shutil.rmtree(old, ignore_errors=True)

@@ -48,6 +48,9 @@ def run(bake: Bake, inputs: dict) -> Outputs:
     max_steps = inputs["config"]["max_steps"]
     code = launch(bake, fp, max_steps)
     if code != 0:
+        said = folder.root / "trainer-error.txt"
+        if said.exists():  # the trainer said why, in one line
+            raise RunFailed(f"training failed: {said.read_text().strip()}", log_tail="")
         raise RunFailed(
             f"training failed (exit code {code}); the end of {bake.shown(folder.log)}:",
             log_tail=tail(folder.log, 15),
@@ -90,8 +93,9 @@ def set_aside_other_runs(run_dir: Path, checkpoints: Path, fp: str) -> None:
 
 def launch(bake: Bake, fp: str, max_steps: int) -> int:
     """Run the trainer's job where the plan says, printing its metric lines as they come."""
-    from ..targets import Here
+    from ..targets import target_for
     from ..trainers import NoTrainingData, get_trainer
+    from ..transfer import Base
 
     folder = bake.folder
     trainer = get_trainer(bake.plan.train.trainer, processes=bake.plan.train.processes)
@@ -100,9 +104,12 @@ def launch(bake: Bake, fp: str, max_steps: int) -> int:
     def poll() -> None:
         seen[0] = _report_new_lines(bake, folder.metrics, seen[0], max_steps)
 
-    bake.tell(state="running", steps=max_steps)
+    # where the plan says: here, an exported bundle, or another machine over ssh
+    base = Base.from_stamp(upstream(bake, "base"))
+    target = target_for(bake.plan.where, base, bake.hashes, bake.plan_dir, say=bake.say, shown=bake.shown)
+    bake.tell(state="running", steps=max_steps, where=target.where)
     try:
-        return Here().run(trainer, folder.root, {"OVERBRAINER_FINGERPRINT": fp}, folder.log, poll)
+        return target.run(trainer, folder.root, {"OVERBRAINER_FINGERPRINT": fp}, folder.log, poll)
     except NoTrainingData as e:
         raise OverbrainerError(str(e)) from None
     finally:

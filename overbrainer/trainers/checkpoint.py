@@ -25,6 +25,9 @@ import os
 import shutil
 from pathlib import Path
 
+from .. import faults
+from ..hashing import hash_file
+
 META = "meta.json"
 STATE = "trainer_state.pt"
 
@@ -34,16 +37,44 @@ def step_dir(checkpoints: Path, step: int) -> Path:
 
 
 def complete(checkpoints: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints, oldest first."""
+    """Complete checkpoints, oldest first: ``step-NNNNNN`` (the built-in trainer's) and
+    ``checkpoint-N`` (the Axolotl trainer's, Hugging Face Trainer's layout, whose plugin
+    writes the same meta.json last), each with its meta.json."""
     out = []
     if checkpoints.is_dir():
         for p in checkpoints.iterdir():
-            if p.is_dir() and p.name.startswith("step-") and (p / META).is_file():
+            prefix = next((x for x in ("step-", "checkpoint-") if p.name.startswith(x)), None)
+            if prefix and p.is_dir() and (p / META).is_file():
                 try:
-                    out.append((int(p.name[5:]), p))
+                    out.append((int(p.name[len(prefix):]), p))
                 except ValueError:
                     continue
     return sorted(out)
+
+
+def intact(folder: Path) -> bool:
+    """Whether every file the sidecar names is there with its hash (older checkpoints
+    without hashes are taken as they are)."""
+    try:
+        files = read_meta(folder).get("files")
+    except (OSError, ValueError):
+        return False
+    if files is None:
+        return True
+    return all((folder / name).is_file() and hash_file(folder / name) == digest for name, digest in files.items())
+
+
+def latest_intact(checkpoints: Path, say=print) -> tuple[int, Path] | None:
+    """The newest checkpoint that is whole. A damaged one is moved to ``corrupt-step-N``
+    beside it (kept, never used) and the one before it is taken."""
+    for step, folder in reversed(complete(checkpoints)):
+        if intact(folder):
+            return step, folder
+        aside = folder.with_name(f"corrupt-{folder.name}")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(folder, aside)
+        say(f"{folder.name} is damaged (a file is missing or changed): set aside as {aside.name}")
+    return None
 
 
 def read_meta(folder: Path) -> dict:
@@ -83,12 +114,17 @@ def save(checkpoints: Path, step: int, model, optimizer, scheduler, meta: dict) 
     tmp.mkdir(parents=True, exist_ok=True)  # other ranks may have put their RNG in
     # PEFT writes the adapter alone; a plain model writes its weights and config
     model.save_pretrained(tmp, safe_serialization=True)
+    faults.point("checkpoint:between-files")
     torch.save(
         {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
         tmp / STATE,
     )
+    # the sidecar, last, names every file with its hash: a checkpoint altered or cut short
+    # later (a disk fault, a bad copy) is found out before it is resumed from
+    meta = {**meta, "files": {p.name: hash_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}}
     (tmp / META).write_text(json.dumps(meta, indent=1))
     _fsync_tree(tmp)
+    faults.point("checkpoint:before-rename")
     if final.exists():
         # only a rerun of the very same step can meet its own folder: the new one replaces it
         shutil.rmtree(final)

@@ -10,8 +10,10 @@ ends with the same weights, bit for bit, as a run that never stopped (on CPU).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -20,11 +22,25 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from .. import faults
 from . import checkpoint as ckpt
 from .dist import World
 from .examples import IGNORE, Order, collate, load_examples, micro_batches
 
 STOP_EXIT = 0  # a stop on request is a success: the stopped marker says it was not the end
+
+
+ERROR_FILE = "trainer-error.txt"  # one line: why the trainer gave up, for the bake to tell
+
+
+class DiskFull(Exception):
+    pass
+
+
+def fail(run_dir: Path, message: str, code: int) -> int:
+    print(message, flush=True)
+    (run_dir / ERROR_FILE).write_text(message + "\n")
+    return code
 
 
 def phase_of(step_index: int, warmup: int, stable: int) -> str:
@@ -59,8 +75,8 @@ def train(config_path: Path) -> int:
     examples_path = run_dir / cfg["datasets"][0]["path"]
     train_set, val_set, dropped = load_examples(examples_path, tokenizer, cfg["sequence_len"])
     if not train_set:
-        print("no training example has an assistant token within sequence_len", flush=True)
-        return 3
+        return fail(run_dir, "no training conversation keeps an assistant token within train.sequence_len; "
+                    "raise train.sequence_len", 3)
     if dropped:
         print(f"{dropped} conversations dropped: nothing of the assistant left within sequence_len", flush=True)
     order = Order(len(train_set), mbs * gas, cfg["seed"])
@@ -72,7 +88,10 @@ def train(config_path: Path) -> int:
 
     step, tokens, seconds = 0, 0, 0.0
     last = {"loss": None, "eval_loss": None}
-    ckpt.remove_partial(checkpoints)
+    if world.main:
+        ckpt.remove_partial(checkpoints)
+        ckpt.latest_intact(checkpoints, say=lambda m: print(m, flush=True))
+    world.barrier()
     done = ckpt.complete(checkpoints)
     if done:
         step, folder = done[-1]
@@ -120,7 +139,15 @@ def train(config_path: Path) -> int:
             "world_size": world.size,
             "peak_memory": peak_memory(),
         }
-        ckpt.save(checkpoints, k, model, optimizer, scheduler, meta)
+        try:
+            ckpt.save(checkpoints, k, model, optimizer, scheduler, meta)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            shutil.rmtree(ckpt.tmp_dir(checkpoints, k), ignore_errors=True)
+            previous = f"step-{saved_step:06d} is intact" if saved_step else "no earlier checkpoint"
+            raise DiskFull(f"no space left on the device while saving checkpoint step-{k:06d} in {checkpoints} "
+                           f"({previous}); free some space and bake again to resume") from None
         saved_step = k
         world.barrier()
 
@@ -172,6 +199,7 @@ def train(config_path: Path) -> int:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
+        faults.point("train:step")
 
         line = {"step": step, "tokens": tokens, "loss": round(step_loss, 6), "lr": lr}
         if step % eval_every == 0 or step == max_steps:
@@ -335,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m overbrainer.trainers.loop RUN_DIR/config.yaml", file=sys.stderr)
         return 2
     config = Path(argv[0]).absolute()
+    (config.parent / ERROR_FILE).unlink(missing_ok=True)
     if "LOCAL_RANK" in os.environ:
         # under torchrun: die with it (a killed bake kills torchrun, which cannot then
         # take its workers down; a parent-death signal is not inherited across fork)
@@ -342,7 +371,10 @@ def main(argv: list[str] | None = None) -> int:
 
         _die_with_parent()
     _stop_on_signal(config.parent / "stop")
-    return train(config)
+    try:
+        return train(config)
+    except DiskFull as e:
+        return fail(config.parent, str(e), 4)
 
 
 if __name__ == "__main__":
