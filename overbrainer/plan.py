@@ -145,6 +145,9 @@ class Plan(_Settings):
     split: SplitSettings = Field(default_factory=SplitSettings)
     train: TrainSettings = Field(default_factory=TrainSettings)
     bake: BakeSettings = Field(default_factory=BakeSettings)
+    trust_remote_code: bool = Field(
+        default=False, description="Run Python code shipped with the base model (off: only safetensors and configs are read).",
+    )
     where: Literal["here", "export"] | SSHTarget = Field(
         default="here", description='"here", "export" (a bundle to run anywhere), or {"ssh": "user@host"}.'
     )

@@ -28,6 +28,6 @@ def cli(*args: str, check: int | None = 0, timeout: float = 600, env: dict | Non
     return proc
 
 
-def bake_json(*args: str, check: int | None = 0) -> dict:
-    proc = cli("bake", *args, "--json", check=check)
+def bake_json(*args: str, check: int | None = 0, env: dict | None = None) -> dict:
+    proc = cli("bake", *args, "--json", check=check, env=env)
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..base import materialize
+from ..errors import BaseModelError
 from . import Outputs
 from .resolve import base_pin
 
@@ -12,16 +14,54 @@ if TYPE_CHECKING:
     from ..build import Bake
 
 NAME = "base"
-VERSION = 1
+VERSION = 2
 TARGETS = ["(the base model, in the shared cache)"]
 
 
 def inputs(bake: Bake) -> dict:
-    return {"base": base_pin(bake)}
+    return {"base": base_pin(bake), "trust_remote_code": bake.plan.trust_remote_code}
+
+
+def check_tensors(folder: Path, source: str, trust_remote_code: bool = False) -> None:
+    """Refuse a model folder whose weights lack tensors its config calls for: loading it
+    would quietly start those from random numbers. Built on the meta device: no weights
+    are read, only the safetensors headers."""
+    import json
+    import struct
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    names: set[str] = set()
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                names.update(k for k in json.loads(fh.read(n)) if k != "__metadata__")
+        except (OSError, ValueError, struct.error):
+            raise BaseModelError(f"base {source!r}: {f.name} is not a readable safetensors file; download it again") from None
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:
+        raise BaseModelError(f"base {source!r}: its config.json cannot build a model ({str(e).splitlines()[0]}); fix or replace it") from None
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    if isinstance(getattr(model, "_tied_weights_keys", None), dict):
+        tied = set(model._tied_weights_keys)
+    expected = {k for k in model.state_dict() if k not in tied}
+    missing = sorted(k for k in expected if k not in names and not any(n.endswith(k) for n in names))
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise BaseModelError(
+            f"base {source!r}: the weights lack {len(missing)} tensors the config calls for ({shown}); "
+            "the download is incomplete: fetch the model again"
+        )
 
 
 def run(bake: Bake, inputs: dict) -> Outputs:
     folder = materialize(bake.base, log=bake.say)
+    check_tensors(folder, bake.base.source, bake.plan.trust_remote_code)
     entries = sorted(
         p.relative_to(folder).as_posix()
         for p in folder.iterdir()

@@ -29,6 +29,7 @@ def inputs(bake: Bake) -> dict:
     split, base = upstream(bake, "split"), upstream(bake, "base")
     return {
         "train": bake.plan.train.model_dump(mode="json"),
+        "trust_remote_code": bake.plan.trust_remote_code,
         "examples": outputs_digest(split),
         "train_rows": split.summary["train"],
         "base": outputs_digest(base),
@@ -68,10 +69,11 @@ def special_tokens(base_folder: Path) -> dict:
     return out
 
 
-def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: dict) -> dict:
+def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: dict, trust_remote_code: bool = False) -> dict:
     lora = train.adapter == "lora"
     cfg = {
         "base_model": base_folder,
+        "trust_remote_code": trust_remote_code,
         "chat_template": "tokenizer_default",
         "special_tokens": tokens,
         "datasets": [
@@ -194,7 +196,7 @@ def run(bake: Bake, inputs: dict) -> Outputs:
         )
         train = train.model_copy(update={"micro_batch_size": memory.micro_batch_size,
                                          "gradient_accumulation_steps": memory.gradient_accumulation_steps})
-    cfg = build_config(train, base_folder, steps, special_tokens(Path(base_folder)))
+    cfg = build_config(train, base_folder, steps, special_tokens(Path(base_folder)), bake.plan.trust_remote_code)
     header = f"# written by overbrainer from {bake.shown(bake.plan_path)}; edits are overwritten\n"
     write_atomic(bake.folder.config, (header + yaml.safe_dump(cfg, sort_keys=False)).encode())
     return Outputs(["config.yaml"], summary={**steps, "memory": memory.as_dict(), "warnings": warnings})

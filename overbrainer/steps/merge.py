@@ -45,12 +45,14 @@ def run(bake: Bake, inputs: dict) -> Outputs:
             return Outputs(["merged"])
     bake.say(f"merge: {bake.shown(checkpoint)} into the base model")
     merge_into(
-        Path(inputs["base_folder"]), checkpoint, bake.folder.merged, cfg.get("special_tokens") or {}, lora=inputs["adapter"] == "lora"
+        Path(inputs["base_folder"]), checkpoint, bake.folder.merged, cfg.get("special_tokens") or {},
+        lora=inputs["adapter"] == "lora", trust_remote_code=bool(cfg.get("trust_remote_code")),
     )
     return Outputs(["merged"])
 
 
-def merge_into(base_folder: Path, checkpoint: Path, dest: Path, special_tokens: dict, lora: bool) -> None:
+def merge_into(base_folder: Path, checkpoint: Path, dest: Path, special_tokens: dict, lora: bool,
+               trust_remote_code: bool = False) -> None:
     """Write base + adapter (or a full checkpoint) as one HF model folder at `dest`,
     through a temp folder renamed into place."""
     import torch
@@ -64,11 +66,11 @@ def merge_into(base_folder: Path, checkpoint: Path, dest: Path, special_tokens: 
     if lora:
         from peft import PeftModel
 
-        model = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32, trust_remote_code=trust_remote_code)
         model = PeftModel.from_pretrained(model, checkpoint).merge_and_unload()
     else:
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(base_folder)
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(base_folder, trust_remote_code=trust_remote_code)
     for key, value in special_tokens.items():
         setattr(tokenizer, key, value)
     model.config.eos_token_id = tokenizer.eos_token_id
