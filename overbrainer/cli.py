@@ -52,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", dest="runs_here", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_why)
 
+    p = sub.add_parser("import", help="bring the result of an exported job back into its run, verified")
+    p.add_argument("run", help="the run folder (runs/NAME), its name, or its plan file")
+    p.add_argument("result", help="the result.tar.gz the job wrote")
+    p.set_defaults(func=cmd_import)
+
     p = sub.add_parser("status", help="a run's state and progress (all runs without RUN)")
     p.add_argument("run", nargs="?")
     p.add_argument("--json", action="store_true")
@@ -348,6 +353,25 @@ def cmd_status(args) -> int:
 def cmd_runs(args) -> int:
     args.run = None
     return cmd_status(args)
+
+
+def cmd_import(args) -> int:
+    from .transfer import import_result
+
+    run = _run(args.run, args.runs)
+    done = import_result(run.folder.root, Path(args.result), shown=_shown)
+    got = done.received
+    plan = _shown(Path(done.plan_file)) if done.plan_file else "PLAN"
+    print(f"imported {got.files} files ({got.bytes / 1e6:.1f} MB) into {_shown(run.folder.root)}, "
+          f"each checked against the job's manifest ({len(got.listed)} files listed)")
+    if got.state == "failed":
+        print(f"error: {got.reason}; `overbrainer bake {plan}` exports the job again", file=sys.stderr)
+        return 1
+    if got.state == "stopped":
+        print(f"the job stopped at step {got.step}; `overbrainer bake {plan}` exports a bundle that goes on from there")
+    else:
+        print(f"the job is done (step {got.step}); `overbrainer bake {plan}` goes on from here")
+    return 0
 
 
 def cmd_stop(args) -> int:
