@@ -77,6 +77,17 @@ def _io(pid: int) -> dict[str, int]:
     return {k: int(v) for k, v in (line.split(": ") for line in text.splitlines())}
 
 
+def _hwm_kb(pid: int) -> int:
+    """The process's peak resident set (VmHWM), in kB; 0 once it has no memory."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def measure(argv: list[str], cwd: str | os.PathLike | None = None, env: dict | None = None,
             timeout: float = 3600) -> Measured:
     """Run `argv` to its end: wall time, bytes read, peak RSS, CPU time, output."""
@@ -84,10 +95,12 @@ def measure(argv: list[str], cwd: str | os.PathLike | None = None, env: dict | N
         start = time.perf_counter()
         proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
         deadline = start + timeout
+        peak_kb = 0
         while True:
             info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
             if info is not None:
                 break
+            peak_kb = max(peak_kb, _hwm_kb(proc.pid))
             if time.perf_counter() > deadline:
                 proc.kill()
             time.sleep(0.002)
@@ -103,7 +116,9 @@ def measure(argv: list[str], cwd: str | os.PathLike | None = None, env: dict | N
             wall=wall,
             rchar=io.get("rchar", -1),
             read_bytes=io.get("read_bytes", -1),
-            maxrss_kb=usage.ru_maxrss,
+            # wait4's ru_maxrss would count the RSS of this process at fork (Linux keeps
+            # it across exec): the child's own high-water mark is read while it runs
+            maxrss_kb=peak_kb or usage.ru_maxrss,
             user=usage.ru_utime,
             system=usage.ru_stime,
             stdout=out.read().decode(errors="replace"),
@@ -175,7 +190,12 @@ def machine() -> dict:
                 break
     except OSError:
         pass
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    dirty = bool(git("status", "--porcelain", "--", "overbrainer"))
     return {
+        "commit": git("rev-parse", "--short", "HEAD") + (" + uncommitted changes in overbrainer/" if dirty else ""),
         "cores": os.cpu_count(),
         "memory": mem,
         "cpu": cpu,
@@ -188,6 +208,7 @@ def print_machine() -> dict:
     m = machine()
     print(f"# machine: {m['cores']} cores ({m['cpu']}), {m['memory']}, Python {m['python']}")
     print(f"# load: {m['uptime']}")
+    print(f"# overbrainer at {m['commit']}")
     return m
 
 

@@ -160,17 +160,50 @@ def thread_env(threads: int) -> dict:
 
 
 def run_builtin(run: Path, threads: int) -> dict:
-    (run / "metrics.jsonl").unlink(missing_ok=True)
+    """The real trainer process; its CPU time is read at each new metrics line."""
+    import psutil
+
+    metrics = run / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)
     shutil.rmtree(run / "checkpoints", ignore_errors=True)
-    m = measure([PY, "-m", "overbrainer.trainers.loop", str(run / "config.yaml")], cwd=run,
-                env=thread_env(threads)).check()
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    argv = [PY, "-m", "overbrainer.trainers.loop", str(run / "config.yaml")]
+    cpu: dict[int, float] = {}
+    with open(run / "trainer.log", "wb") as log:
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, cwd=run, env=thread_env(threads), stdout=log, stderr=subprocess.STDOUT)
+        me = psutil.Process(proc.pid)
+        seen, peak_kb = 0, 0
+        while proc.poll() is None:
+            try:
+                text = metrics.read_text()
+            except OSError:
+                text = ""
+            steps = text.count('"step"')
+            if steps > seen:
+                try:
+                    t = me.cpu_times()
+                    cpu[steps] = t.user + t.system
+                except psutil.Error:
+                    pass
+                seen = steps
+            try:  # the peak so far (VmHWM), read while the process is there
+                for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+                    if line.startswith("VmHWM:"):
+                        peak_kb = max(peak_kb, int(line.split()[1]))
+            except OSError:
+                pass
+            time.sleep(0.01)
+        wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"trainer exited {proc.returncode}: {(run / 'trainer.log').read_text()[-2000:]}")
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
     lines = [x for x in lines if "step" in x]  # not the stage events
     return {
         "ends": [x["seconds"] for x in lines],
+        "cpu": [cpu.get(i + 1) for i in range(len(lines))],
         "losses": [x["loss"] for x in lines],
         "tokens_metric": [x["tokens"] for x in lines],
-        "wall_s": m.wall, "maxrss_mb": m.maxrss_kb / 1024,
+        "wall_s": wall, "maxrss_mb": peak_kb / 1024,
     }
 
 
@@ -218,11 +251,12 @@ def worker_trl(run: Path, mode: str, threads: int, packed_batch: int) -> dict:
         padding_free=mode == "trl-padfree", packing=packed, packing_strategy="bfd",
     )
 
-    marks: dict = {"ends": [], "losses": [], "micro": [], "useful": [], "loss_tokens": []}
+    marks: dict = {"ends": [], "cpu": [], "losses": [], "micro": [], "useful": [], "loss_tokens": []}
 
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             marks["ends"].append(time.perf_counter())
+            marks["cpu"].append(time.process_time())  # every thread of this process
             marks["losses"].append(sum(marks["micro"]))
             marks["micro"].clear()
 
@@ -242,6 +276,7 @@ def worker_trl(run: Path, mode: str, threads: int, packed_batch: int) -> dict:
     trainer.train()
     return {
         "ends": [t - start for t in marks["ends"]],
+        "cpu": marks["cpu"],
         "losses": marks["losses"],
         "useful_per_micro": marks["useful"],
         "loss_tokens_per_micro": marks["loss_tokens"],
@@ -268,8 +303,13 @@ def steady(result: dict, per_step_useful: list[int], per_step_loss: list[int], s
     seconds = ends[n - 1] - ends[skip - 1] if skip else ends[n - 1]
     useful = sum(per_step_useful[skip:n])
     loss_tokens = sum(per_step_loss[skip:n])
+    cpu = result.get("cpu") or []
+    cpu_s = None
+    if len(cpu) == n and cpu[n - 1] is not None and (not skip or cpu[skip - 1] is not None):
+        cpu_s = cpu[n - 1] - (cpu[skip - 1] if skip else 0.0)
     return {"steps": n - skip, "seconds": seconds, "useful_tps": useful / seconds, "loss_tps": loss_tokens / seconds,
-            "useful_per_step": useful / (n - skip), "s_per_step": seconds / (n - skip)}
+            "useful_per_step": useful / (n - skip), "s_per_step": seconds / (n - skip),
+            "cpu_s": cpu_s, "useful_per_cpu_s": useful / cpu_s if cpu_s else None}
 
 
 def profile_builtin(run: Path, threads: int, steps: int) -> str:
@@ -422,6 +462,7 @@ def main() -> None:
             continue
         s = r["steady"]
         row = {"trainer": name, "useful tok/s": s["useful_tps"], "loss tok/s": s["loss_tps"], "s/step": s["s_per_step"],
+               "useful tok/CPU-s": s["useful_per_cpu_s"] or "", "CPU-s/step": (s["cpu_s"] or 0) / s["steps"] or "",
                "useful tok/step": s["useful_per_step"], "peak RSS MB": r["maxrss_mb"], "process s": r["wall_s"]}
         if base:
             row["builtin speed-up"] = base["useful_tps"] / s["useful_tps"]
@@ -431,7 +472,8 @@ def main() -> None:
             row["Δloss step 1"] = f"{diffs[0]:.2e}"
         rows.append(row)
     print()
-    print(table(rows, ["trainer", "useful tok/s", "loss tok/s", "s/step", "useful tok/step", "peak RSS MB",
+    print(table(rows, ["trainer", "useful tok/s", "loss tok/s", "s/step", "useful tok/CPU-s", "CPU-s/step",
+                       "useful tok/step", "peak RSS MB",
                        "process s", "builtin speed-up", "max |Δloss|", "Δloss step 1"]))
     if base:
         trl_best = max((r["steady"]["useful_tps"] for n, r in results.items() if n != "builtin" and "steady" in r),
@@ -439,6 +481,11 @@ def main() -> None:
         if trl_best:
             ratio = base["useful_tps"] / trl_best
             print(f"\ngoal >= 2.5x TRL's best useful tokens/s: {ratio:.2f}x, {'met' if ratio >= 2.5 else 'MISSED'}")
+        cpu_best = max((r["steady"]["useful_per_cpu_s"] or 0 for n, r in results.items() if n != "builtin" and "steady" in r),
+                       default=0)
+        if cpu_best and base["useful_per_cpu_s"]:
+            print(f"the same per CPU-second (less sensitive to other processes on the machine): "
+                  f"{base['useful_per_cpu_s'] / cpu_best:.2f}x")
         for name in ("trl", "trl-padfree"):
             if name in results and "losses" in results[name]:
                 b, t = results["builtin"]["losses"], results[name]["losses"]
