@@ -239,7 +239,16 @@ class SSH:
             options += ["-p", str(self.port)]
         if self.identity:
             options += ["-i", str(self.identity), "-o", "IdentitiesOnly=yes"]
+        control = _control_dir()
+        if control:  # one connection for the many short commands of a job, gone when idle
+            options += ["-o", "ControlMaster=auto", "-o", f"ControlPath={control}/%C", "-o", "ControlPersist=120"]
         return [*ssh, *options, self.dest, command]
+
+    def close(self) -> None:
+        """End the shared connection, if there is one."""
+        argv = self.argv("true")
+        subprocess.run([*argv[:-2], "-O", "exit", argv[-2]], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, start_new_session=True, check=False, timeout=30)
 
     def call(self, command: str, what: str, stdin: bytes | None = None, stdout=subprocess.PIPE,
              timeout: float | None = 120) -> bytes:
@@ -293,13 +302,25 @@ class SSH:
         if proc.wait() != 0:
             raise OverbrainerError(f"{self.dest}: sending {what} failed: {err.splitlines()[-1] if err else 'ssh failed'}")
 
+    def note(self, log: Path, message: str) -> None:
+        """Say it, and write it in the run's log (a detached bake says nothing)."""
+        self.say(f"train: {message}")
+        with open(log, "a") as f:
+            f.write(f"--- {_now()} {message}\n")
+
     # -- the job -----------------------------------------------------------------------------
 
     def run(self, trainer: Trainer, run_dir: Path, env: dict[str, str], log: Path,
             poll: Callable[[], None] = lambda: None) -> int:
+        try:
+            return self._run(trainer, Path(run_dir), env, log, poll)
+        finally:
+            self.close()
+
+    def _run(self, trainer: Trainer, run_dir: Path, env: dict[str, str], log: Path,
+             poll: Callable[[], None]) -> int:
         from . import transfer
 
-        run_dir = Path(run_dir)
         fp = _fingerprint(env)
         root = self.must(f"mkdir -p {q(self.workdir)} && cd {q(self.workdir)} && pwd", "making the work folder").decode().strip()
         python = self.tools(trainer, root, log)
@@ -308,12 +329,12 @@ class SSH:
         status = self.call_json(f"if test -f {q(job_dir)}/run.py; then {runner} status; else echo null; fi", "reading the job's state")
         there: dict[str, str] = {}
         if status and status["running"]:
-            self.say(f"train: following the job already running on {self.dest} ({job_dir})")
+            self.note(log, f"following the job already running on {self.dest} ({job_dir})")
             log_from = status["log_start"]
         else:
             if status:  # an earlier attempt left a job folder: bring back what it has first
                 there = self.fetch(trainer, run_dir, runner, fp).listed
-            base_dir = self.send_base(root)
+            base_dir = self.send_base(root, log)
             extra = {"OVERBRAINER_TOOLS": f"{root}/tools"} if trainer.caches_tools() else {}
             staging = run_dir / f".send-{os.getpid()}"
             try:
@@ -321,14 +342,14 @@ class SSH:
                                             carry_base=False, env=extra)
                 # what the job folder there already has, byte for byte, is not sent again
                 staged.members = [(arc, p) for arc, p in staged.members if not _same(arc, staged.manifest, there)]
-                self.say(f"train: sending the job to {self.dest}:{job_dir}")
+                self.note(log, f"sending the job to {self.dest}:{job_dir}")
                 self.send_tar(lambda out: transfer.write_job_tar(staged, out), job_dir, "the job")
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
             started = self.call_json(f"{runner} start --base {q(base_dir)}", "starting the job")
             log_from = started["log_start"]
         end = self.follow(trainer, run_dir, runner, log, log_from, poll)
-        self.say(f"train: the job on {self.dest} ended ({_ended(end)}); bringing back its artifacts")
+        self.note(log, f"the job on {self.dest} ended ({_ended(end)}); bringing back its artifacts")
         received = self.fetch(trainer, run_dir, runner, fp)
         return _taken_up({"state": received.state, "reason": received.reason}, log, f"on {self.dest}, {job_dir}")
 
@@ -357,14 +378,14 @@ class SSH:
             )
         return python
 
-    def send_base(self, root: str) -> str:
+    def send_base(self, root: str, log: Path) -> str:
         """The base model's folder there, sent once per pin."""
         from . import job as jobfile
 
         folder = f"{root}/bases/{self.base.pin[:16]}"
         if self.must(f"test -f {q(folder)}/.complete && echo yes || echo no", "looking for the base").strip() == b"yes":
             return folder
-        self.say(f"train: sending the base model to {self.dest}:{folder} (once)")
+        self.note(log, f"sending the base model to {self.dest}:{folder} (once)")
 
         def write(out):
             with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
@@ -423,7 +444,7 @@ class SSH:
                     raise RunFailed(f"the job on {self.dest} ended without saying how", log_tail=out.decode(errors="replace"))
             if stop.exists() and time.monotonic() - stop_sent > 10:
                 self.must(f"{runner} stop", "passing the stop on")
-                self.say(f"train: asked the job on {self.dest} to save a checkpoint and stop")
+                self.note(log, f"asked the job on {self.dest} to save a checkpoint and stop")
                 stop_sent = time.monotonic()
             if not more:
                 time.sleep(self.poll_s)
@@ -470,6 +491,23 @@ def _ended(end: dict) -> str:
     if end.get("exit"):
         return f"exit code {end['exit']}"
     return "stopped on request" if end.get("stopped") else "done"
+
+
+def _control_dir() -> str | None:
+    """A folder for ssh's connection sockets, this user's alone (else no sharing): short,
+    for the socket path limit."""
+    import stat
+    import tempfile
+
+    folder = Path(tempfile.gettempdir()) / f"overbrainer-ssh-{os.getuid()}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        st = folder.lstat()
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return None
+    return str(folder)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -126,17 +126,15 @@ def requirements(trainer) -> list[str]:
     return REQUIREMENTS.get(trainer.name, [trainer.name, "blake3"])
 
 
-def _newest_checkpoint(folder: Path, exclude: list[str]) -> Path | None:
-    """The subfolder of `folder` with the highest number in its name (step-000012,
-    checkpoint-12): what a trainer resumes from."""
-    best, best_n = None, -1
-    if folder.is_dir():
-        for p in folder.iterdir():
-            match = re.search(r"(\d+)$", p.name)
-            if p.is_dir() and not p.is_symlink() and match and not jobfile.excluded(p.name, exclude):
-                if int(match.group(1)) > best_n:
-                    best, best_n = p, int(match.group(1))
-    return best
+def _newest_checkpoint(folder: Path) -> Path | None:
+    """The newest whole checkpoint (what the trainer resumes from), by the trainers' own
+    layout (``step-N``/``checkpoint-N`` with its meta.json); a damaged one is not sent."""
+    from .trainers import checkpoint as ckpt
+
+    for _, path in reversed(ckpt.complete(folder)):
+        if ckpt.intact(path):
+            return path
+    return None
 
 
 def stage_job(trainer, run_dir: Path, fingerprint: str, base: Base, root: str, home: Path,
@@ -188,7 +186,7 @@ def stage_job(trainer, run_dir: Path, fingerprint: str, base: Base, root: str, h
 
     members = [(p.relative_to(home).as_posix(), p) for p in sorted(home.rglob("*")) if p.is_file()]
     if art.required:
-        newest = _newest_checkpoint(run_dir / art.required, list(art.exclude))
+        newest = _newest_checkpoint(run_dir / art.required)
         if newest is not None:
             for rel in jobfile.artifact_files(run_dir, [newest.relative_to(run_dir).as_posix()], list(art.exclude)):
                 members.append((f"{jobfile.RUN}/{rel}", run_dir / rel))
