@@ -524,10 +524,32 @@ def test_ssh_tools_are_made_once_there(over_ssh, monkeypatch, tmp_path):
     monkeypatch.setenv("OVERBRAINER_REMOTE_INSTALL", f"--no-index {_wheel(tmp_path)}")
     said = []
     target = SSH(SSHTarget(**over_ssh), base=None, hashes=None, plan_dir=tmp_path, say=said.append)
-    root = target.must(f"mkdir -p {over_ssh['workdir']} && cd {over_ssh['workdir']} && pwd", "a test").decode().strip()
-    log = tmp_path / "log.txt"
-    python = target.tools(Builtin(), root, log)
-    assert python.startswith(f"{over_ssh['workdir']}/tools/builtin-") and python.endswith("/bin/python")
-    assert subprocess.run([python, "-c", "import obtool"], check=False).returncode == 0
-    assert target.tools(Builtin(), root, log) == python
-    assert len([s for s in said if "installing" in s]) == 1  # the second time finds it made
+    try:
+        root = target.must(f"mkdir -p {over_ssh['workdir']} && cd {over_ssh['workdir']} && pwd", "a test").decode().strip()
+        log = tmp_path / "log.txt"
+        python = target.tools(Builtin(), root, log)
+        assert python.startswith(f"{over_ssh['workdir']}/tools/builtin-") and python.endswith("/bin/python")
+        assert subprocess.run([python, "-c", "import obtool"], check=False).returncode == 0
+        assert target.tools(Builtin(), root, log) == python
+        assert len([s for s in said if "installing" in s]) == 1  # the second time finds it made
+    finally:
+        target.close()
+
+
+def test_ssh_bake_killed_here_follows_the_job_still_running_there(plan, reference, over_ssh):
+    import signal
+
+    plan_path = set_where(plan, over_ssh)
+    folder = Path(os.environ["OVERBRAINER_RUNS"]) / "tiny"
+    cli("bake", str(plan_path), "--detach")
+    wait_for(lambda: (json.loads((folder / "run.json").read_text()).get("step") or 0) >= 1)
+    os.kill(json.loads((folder / "run.json").read_text())["process"]["pid"], signal.SIGKILL)
+    (job,) = (Path(over_ssh["workdir"]) / "runs").iterdir()
+    assert not (job / "end.json").exists()  # the job goes on there without the bake
+
+    done = bake(plan_path)
+    assert done["state"] == "done", done
+    assert "following the job already running" in (folder / "log.txt").read_text()
+    assert (job / "run" / "log.txt").read_text().count("--- ") == 1  # it was not started twice
+    assert weights(folder) == weights(reference)
+    assert losses(folder) == losses(reference)
