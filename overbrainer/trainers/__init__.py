@@ -15,5 +15,5 @@ def get_trainer(name: str, processes: int = 1) -> Trainer:
     if name == "axolotl":
         from .axolotl import Axolotl
 
-        return Axolotl()
+        return Axolotl(processes=processes)
     raise KeyError(name)
