@@ -371,9 +371,11 @@ def main() -> None:
             "first_s": first.wall, "second_s": second.wall, "artifact_bytes_first": bytes1,
             "artifact_bytes_second": bytes2, "rchar_first": first.rchar, "read_bytes_first": first.read_bytes,
             "rchar_second": second.rchar, "read_bytes_second": second.read_bytes,
+            "cpu_first": first.user + first.system, "cpu_second": second.user + second.system,
         }
         rows.append({
             "case": case, "command": name, "1st rerun s": first.wall, "2nd rerun s": second.wall,
+            "CPU s 1st/2nd": f"{first.user + first.system:.2f}/{second.user + second.system:.2f}",
             "artifact bytes 1st": human_bytes(bytes1), "artifact bytes 2nd": human_bytes(bytes2),
             "rchar 1st": human_bytes(first.rchar), "read_bytes 1st": human_bytes(first.read_bytes),
         })
@@ -434,7 +436,7 @@ def main() -> None:
     results["reads"] = READS
 
     print()
-    print(table(rows, ["case", "command", "1st rerun s", "2nd rerun s", "artifact bytes 1st",
+    print(table(rows, ["case", "command", "1st rerun s", "2nd rerun s", "CPU s 1st/2nd", "artifact bytes 1st",
                        "artifact bytes 2nd", "rchar 1st", "read_bytes 1st"]))
     print()
     print(ratios(results["cases"]))

@@ -204,8 +204,12 @@ def main() -> None:
               + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()), flush=True)
 
     base = model_folder(args.model)
-    bare = bare_load(base, lora=False)
-    bare_lora = bare_load(base, lora=True)
+    def median_of(lora: bool, n: int = 3) -> dict:  # the machine is shared: 3 tries each
+        tries = [bare_load(base, lora) for _ in range(n)]
+        return {k: statistics.median(t[k] for t in tries) for k in tries[0]}
+
+    bare = median_of(lora=False)
+    bare_lora = median_of(lora=True)
 
     def med(key):
         vals = [r[key] for r in reps if key in r]
@@ -218,7 +222,7 @@ def main() -> None:
         {"what": "one training step (median, for scale)", "seconds": med("step_s")},
         {"what": "restart (`bake`) → trainer resumed (model + checkpoint loaded)", "seconds": med("resume_to_loaded_s")},
         {"what": "restart (`bake`) → first new step logged", "seconds": med("resume_to_first_step_s")},
-        {"what": "bare: import torch + transformers", "seconds": bare["import_s"]},
+        {"what": "bare (median of 3): import torch + transformers", "seconds": bare["import_s"]},
         {"what": "bare: from_pretrained (fp32) + tokenizer", "seconds": bare["load_s"]},
         {"what": "bare: whole process (python, imports, load)", "seconds": bare["process_s"]},
         {"what": "bare: whole process + LoRA wrap", "seconds": bare_lora["process_s"]},

@@ -312,7 +312,7 @@ def steady(result: dict, per_step_useful: list[int], per_step_loss: list[int], s
             "cpu_s": cpu_s, "useful_per_cpu_s": useful / cpu_s if cpu_s else None}
 
 
-def profile_builtin(run: Path, threads: int, steps: int) -> str:
+def profile_builtin(run: Path, threads: int, steps: int, torch_profile: bool = True) -> str:
     """Where the built-in loop's time goes: py-spy's samples grouped by what the loop was
     doing, and torch.profiler's top operators."""
     import yaml
@@ -332,6 +332,8 @@ def profile_builtin(run: Path, threads: int, steps: int) -> str:
         out.append(summarize_pyspy(raw))
     else:
         out.append(f"py-spy failed: {proc.stderr[-500:]}")
+    if not torch_profile:
+        return "\n\n".join(out)
     # torch.profiler: operators, in-process
     (run / "metrics.jsonl").unlink(missing_ok=True)
     shutil.rmtree(run / "checkpoints", ignore_errors=True)
@@ -408,6 +410,7 @@ def main() -> None:
     ap.add_argument("--only", default="builtin,trl,trl-padfree,trl-packed")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-steps", type=int, default=8)
+    ap.add_argument("--no-torch-profile", action="store_true", help="py-spy only")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--run", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -492,7 +495,7 @@ def main() -> None:
                 print(f"loss per step, builtin vs {name} (first 5): "
                       + ", ".join(f"{x:.5f}/{y:.5f}" for x, y in zip(b[:5], t[:5])))
     if args.profile:
-        print("\n" + profile_builtin(run, args.threads, args.profile_steps))
+        print("\n" + profile_builtin(run, args.threads, args.profile_steps, torch_profile=not args.no_torch_profile))
     print(f"# results: {save_json(f'train-{args.model}', {'machine': machine, 'args': vars(args), 'results': results}, )}")
 
 
