@@ -90,6 +90,31 @@ def test_commands_run_the_tools_python_and_merge_the_last_checkpoint(tmp_path, m
     assert trainer.metrics_required() and trainer.caches_tools()
 
 
+def test_a_job_staged_to_run_elsewhere_needs_no_tools_here(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from overbrainer.data import SCHEMA
+
+    monkeypatch.setenv(tools.VENV_ENV, str(tmp_path / "never-built"))
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "arr"}]
+    rows = [{"id": str(i), "split": "validation" if i == 0 else "train", "messages": chat, "source": "x"} for i in range(3)]
+    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp_path / "examples.parquet")
+    cfg = {"base_model": "../base", "max_steps": 2, "output_dir": "checkpoints", "adapter": "lora", "eval_steps": 1,
+           "datasets": [{"path": "examples.parquet", "ds_type": "parquet", "type": "chat_template"}]}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    trainer = Axolotl()
+    trainer.prepare(tmp_path, "/elsewhere/runs/tiny")
+    assert not (tmp_path / "never-built").exists()
+    assert [c[0] for c in trainer.commands()] == ["python", "python"]  # the job's own interpreter there
+    env = trainer.env("/elsewhere/runs/tiny")
+    assert "PATH" not in env and env["PYTHONPATH"] == "/elsewhere/runs/tiny/axolotl-job"
+    job = yaml.safe_load((tmp_path / JOB_CONFIG).read_text())
+    assert job["base_model"] == "../base" and job["test_datasets"][0]["path"] == "axolotl-job/validation.parquet"
+    assert pq.read_table(tmp_path / "axolotl-job" / "train.parquet").num_rows == 2
+    assert (tmp_path / "axolotl-job" / "axolotl_plugin.py").is_file()
+
+
 def test_no_examples_is_its_own_error(tmp_path):
     from overbrainer.trainers import NoTrainingData
 
@@ -193,6 +218,20 @@ def test_config_typo_is_refused_in_one_line(axolotl_project, axolotl_venv):
     lines = done.stdout.strip().splitlines()
     assert any("lora_rr: not an Axolotl setting" in line for line in lines), done.stdout
     assert any("datasets[0].feild_messages: not an Axolotl setting" in line for line in lines), done.stdout
+    # and where overbrainer does not check first (a job run elsewhere), the plugin refuses it
+    # as Axolotl loads it, before any training, in the one line the bake tells
+    job_cfg = yaml.safe_load((run_dir / JOB_CONFIG).read_text()) if (run_dir / JOB_CONFIG).exists() else None
+    assert job_cfg is None  # prepare wrote nothing it refused
+    config.write_text(config.read_text().replace("lora_rr: 8\n", ""))
+    trainer = Axolotl()
+    trainer.prepare(run_dir, str(run_dir))
+    (run_dir / JOB_CONFIG).write_text((run_dir / JOB_CONFIG).read_text() + "lora_rr: 8\n")
+    done = subprocess.run(trainer.commands()[0], cwd=run_dir, env={**os.environ, **trainer.env(str(run_dir))},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    said = (run_dir / "trainer-error.txt").read_text().strip()
+    assert said.startswith("lora_rr: not an Axolotl setting") and "\n" not in said
+    assert not (run_dir / "checkpoints").exists()
 
 
 def metric_lines(folder: Path) -> list[dict]:

@@ -21,8 +21,11 @@ The run folder of an Axolotl run is the built-in trainer's, plus ``axolotl-job/`
                                 config, the tokenizer, the final adapter, README.md
     metrics.jsonl stopped.json log.txt    as the built-in trainer writes them
 
-The job runs the Axolotl environment's python (``tools.axolotl_env``), named by its path:
-the here target runs "python" as its own interpreter, and Axolotl's is another one.
+Where the job runs here (``root`` is the run folder itself), it runs the Axolotl
+environment's python (``tools.axolotl_env``, built on first use), named by its path: the
+here target runs "python" as its own interpreter, and Axolotl's is another one. Staged to
+run elsewhere (export, ssh: ``root`` is another path), the commands name "python", the
+job's own interpreter, in which the target installs Axolotl; nothing is built here then.
 
 1. train: ``python -m axolotl.cli.train axolotl-job/config.yaml`` (several processes:
    ``python -m accelerate.commands.launch --num_processes N -m axolotl.cli.train ...``);
@@ -32,7 +35,9 @@ the here target runs "python" as its own interpreter, and Axolotl's is another o
    after a stop. A full fine-tune's last checkpoint is a model already.
 
 Before each job, prepare() removes what a killed job left half-made: a ``checkpoint-N``
-without its meta.json (Axolotl would resume from it) and ``axolotl-job/merged/``.
+without its meta.json (Axolotl would resume from it) and ``axolotl-job/merged/``. A config
+key Axolotl does not know (it would drop it without a word) is refused in one line: by
+prepare() when the job runs here, and by the plugin as Axolotl loads it, wherever it runs.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ MERGED_DIR = f"{JOB_DIR}/merged"
 PLUGIN_FILE = "axolotl_plugin.py"
 PLUGIN_CLASS = "axolotl_plugin.OverbrainerPlugin"
 META = "meta.json"
+ERROR_FILE = "trainer-error.txt"  # one line the plugin writes when it refuses the config
 
 
 class AxolotlConfigError(OverbrainerError):
@@ -74,6 +80,7 @@ class Axolotl:
         self.say = say or _say
         self.max_steps: int | None = None
         self.lora = True
+        self.here = True  # the job runs on this machine (prepare() says otherwise)
 
     # -- the job's files ------------------------------------------------------------------
 
@@ -82,6 +89,7 @@ class Axolotl:
         from .axolotl_plugin import unknown_keys
 
         run_dir = Path(run_dir)
+        self.here = Path(root) == run_dir.absolute()
         examples = run_dir / EXAMPLES
         if not examples.is_file() or examples.stat().st_size == 0:
             raise NoTrainingData(examples)
@@ -94,10 +102,11 @@ class Axolotl:
         rows = _write_splits(examples, job)
         if not rows["train"]:
             raise NoTrainingData(examples)
-        env = tools.axolotl_env(say=self.say, log=run_dir / "log.txt")
-
         job_cfg = job_config(cfg, has_validation=rows["validation"] > 0, key=_data_key(examples, run_dir / CONFIG))
-        unknown = unknown_keys(job_cfg, tools.axolotl_keys(env))
+        unknown = []
+        if self.here:
+            env = tools.axolotl_env(say=self.say, log=run_dir / "log.txt")
+            unknown = unknown_keys(job_cfg, tools.axolotl_keys(env))
         if unknown:
             raise AxolotlConfigError(
                 f"{run_dir / CONFIG}: {unknown[0]}: not an Axolotl {tools.AXOLOTL_VERSION} setting, "
@@ -109,14 +118,15 @@ class Axolotl:
         _write_text(job / "config.yaml", "# written by overbrainer from ../config.yaml before each job\n"
                     + yaml.safe_dump(job_cfg, sort_keys=False))
         _remove_stale(run_dir, job, job_cfg["dataset_prepared_path"])
-        (run_dir / STOPPED).unlink(missing_ok=True)
+        for said in (STOPPED, ERROR_FILE):
+            (run_dir / said).unlink(missing_ok=True)
 
     # -- how the job runs -----------------------------------------------------------------
 
     def commands(self) -> list[list[str]]:
         from .. import tools
 
-        python = str(tools.axolotl_python())
+        python = str(tools.axolotl_python()) if self.here else "python"
         if self.processes > 1:
             train = [python, "-m", "accelerate.commands.launch", "--num_processes", str(self.processes),
                      "-m", "axolotl.cli.train", JOB_CONFIG]
@@ -136,16 +146,17 @@ class Axolotl:
         from .. import tools
         from .axolotl_plugin import RUN_DIR_ENV
 
-        bin_dir = str(tools.axolotl_python().parent)
-        return {
+        env = {
             **tools.QUIET_ENV,
-            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
-            "VIRTUAL_ENV": str(tools.axolotl_python().parent.parent),
             "PYTHONPATH": f"{root}/{JOB_DIR}",
             RUN_DIR_ENV: root,
             "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_DISABLE_TELEMETRY": "1",
         }
+        if self.here:  # what the environment's own tools find first (accelerate, for one)
+            venv = tools.axolotl_python().parent.parent
+            env.update(PATH=str(venv / "bin") + os.pathsep + os.environ.get("PATH", ""), VIRTUAL_ENV=str(venv))
+        return env
 
     def metrics_file(self) -> str:
         return METRICS

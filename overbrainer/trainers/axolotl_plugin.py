@@ -20,6 +20,8 @@ disk, like one of the built-in trainer's (``loop.py``):
   files fsynced first: a ``checkpoint-N`` with a ``meta.json`` is complete. The same
   sidecar as the built-in trainer's (step, steps, phase, decayed, loss, eval_loss, lr,
   tokens, seconds, fingerprint, adapter, base_model).
+- a config key Axolotl does not know (Axolotl drops it without a word): refused as
+  Axolotl loads the config, one line in ``trainer-error.txt``, exit 2.
 - a stop: the file ``stop`` in the run folder (``overbrainer stop``), or SIGTERM/SIGINT,
   ends the run at the end of the current step with a checkpoint of it, writes
   ``stopped.json`` ``{"step", "steps"}``, and exits 0. Axolotl resumes from the newest
@@ -51,6 +53,7 @@ METRICS = "metrics.jsonl"
 STOP_REQUEST = "stop"
 STOPPED = "stopped.json"
 META = "meta.json"
+ERROR_FILE = "trainer-error.txt"  # one line: why the job gave up, for the bake to tell
 
 
 def phase_of(step_index: int, warmup: int, stable: int) -> str:
@@ -94,6 +97,18 @@ def _fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL when the process that started this one dies (a killed bake never
+    leaves a training worker behind; the launcher's own parent-death signal is not
+    inherited across fork)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
@@ -113,6 +128,23 @@ if BasePlugin is not None:  # loaded by Axolotl: the plugin
 
     class OverbrainerPlugin(BasePlugin):
         """Metrics, checkpoint sidecars and the stop request, for overbrainer."""
+
+        def register(self, cfg):
+            if "LOCAL_RANK" in os.environ:
+                _die_with_parent()  # a worker of accelerate launch: dies with the launcher
+            # Axolotl drops a key it does not know without a word: refuse it, in one line,
+            # wherever the job runs (overbrainer checks before a job it runs itself too)
+            unknown = unknown_keys(dict(cfg), keys())
+            if unknown:
+                message = (
+                    f"{unknown[0]}: not an Axolotl setting, which Axolotl would ignore without a word; "
+                    "remove it or fix its name" + (f" ({len(unknown) - 1} more)" if len(unknown) > 1 else "")
+                )
+                print(message, flush=True)
+                if int(os.environ.get("RANK", "0")) == 0:
+                    run_dir = Path(os.environ.get(RUN_DIR_ENV) or os.getcwd())
+                    (run_dir / ERROR_FILE).write_text(message + "\n")
+                raise SystemExit(2)
 
         def pre_model_load(self, cfg):
             # the plan's seed covers the LoRA initialization too, as in the built-in
@@ -341,7 +373,11 @@ def check(config: Path) -> list[str]:
     # the config names this very file as its plugin: make it importable under that name
     sys.modules.setdefault("axolotl_plugin", sys.modules[__name__])
     cfg = yaml.safe_load(config.read_text())
-    problems = [f"{config}: {k}: not an Axolotl setting (Axolotl would ignore it)" for k in unknown_keys(cfg, keys())]
+    unknown = unknown_keys(cfg, keys())
+    problems = [f"{config}: {k}: not an Axolotl setting (Axolotl would ignore it)" for k in unknown]
+    for key in unknown:  # the rest goes through Axolotl's validation (the plugin would stop at these)
+        *group, name = key.replace("[", ".").replace("]", "").split(".")
+        (cfg[group[0]][int(group[1])] if group else cfg).pop(name)
     ddict = DictDefault(cfg)
     try:
         prepare_plugins(ddict)
