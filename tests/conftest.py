@@ -35,40 +35,89 @@ def tiny_model(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
-@pytest.fixture
-def project(tmp_path, tiny_model):
+TINY_PLAN = {
+    "name": "tiny",
+    "base": "./tiny",
+    "data": "chats.jsonl",
+    "split": {"validation": 0.2},
+    "train": {
+        "steps": 8,
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "sequence_len": 96,
+        "learning_rate": 0.003,
+        "save_every": 3,
+        "eval_every": 4,
+        "lora_r": 4,
+        "lora_alpha": 8,
+        "lora_dropout": 0.1,
+    },
+}
+
+
+def make_project(root: Path, tiny_model: Path) -> Project:
     """A plan folder: the tiny model, 40 demo conversations, and a plan of 8 short steps."""
-    root = tmp_path / "project"
-    root.mkdir()
+    root.mkdir(parents=True)
     shutil.copytree(tiny_model, root / "tiny")
     lines = DEMO_DATA.read_text().splitlines()[:40]
     (root / "chats.jsonl").write_text("\n".join(lines) + "\n")
-    plan = {
-        "name": "tiny",
-        "base": "./tiny",
-        "data": "chats.jsonl",
-        "split": {"validation": 0.2},
-        "train": {
-            "steps": 8,
-            "micro_batch_size": 2,
-            "gradient_accumulation_steps": 2,
-            "sequence_len": 96,
-            "learning_rate": 0.003,
-            "save_every": 3,
-            "eval_every": 4,
-            "lora_r": 4,
-            "lora_alpha": 8,
-            "lora_dropout": 0.1,
-        },
-    }
-    return Project(root, plan)
+    return Project(root, json.loads(json.dumps(TINY_PLAN)))
+
+
+@pytest.fixture
+def project(tmp_path, tiny_model):
+    return make_project(tmp_path / "project", tiny_model)
+
+
+class References:
+    """Uninterrupted bakes of the tiny plan (with some train settings changed), each made
+    once per session: what interrupted, resumed or copied runs are compared with."""
+
+    def __init__(self, root: Path, tiny_model: Path):
+        self.root, self.tiny_model, self.made = root, tiny_model, {}
+
+    def project(self, **train) -> Project:
+        key = json.dumps(train, sort_keys=True)
+        if key not in self.made:
+            from helpers import bake_json
+
+            project = make_project(self.root / f"ref{len(self.made)}", self.tiny_model)
+            project.write(**train)
+            bake_json(str(project.plan_path), "--runs", str(project.root / "runs"))
+            self.made[key] = project
+        return self.made[key]
+
+    def folder(self, **train) -> Path:
+        return self.project(**train).root / "runs" / "tiny"
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory, tiny_model) -> References:
+    return References(tmp_path_factory.mktemp("references"), tiny_model)
+
+
+@pytest.fixture
+def baked_copy(tmp_path, references):
+    """A finished tiny bake, copied with its mtimes into this test's project and runs
+    folders (what a CI cache restore does): as good as baking it here, in a fraction of
+    the time."""
+
+    def make(**train) -> Project:
+        source = references.project(**train)
+        root = tmp_path / "project"
+        shutil.copytree(source.root, root, symlinks=True, ignore=shutil.ignore_patterns("runs"))
+        shutil.copytree(source.root / "runs", tmp_path / "runs")
+        return Project(root, json.loads((root / "plan.json").read_text()), write=False)
+
+    return make
 
 
 class Project:
-    def __init__(self, root: Path, plan: dict):
+    def __init__(self, root: Path, plan: dict, write: bool = True):
         self.root = root
         self.plan = plan
-        self.write()
+        if write:
+            self.write()
 
     @property
     def plan_path(self) -> Path:

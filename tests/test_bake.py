@@ -13,15 +13,21 @@ def stamp_mtimes(folder):
 
 
 @pytest.fixture
-def baked(project):
+def baked(baked_copy):
+    project = baked_copy()
+    folder = project.root.parent / "runs" / "tiny"
+    return project, {"folder": str(folder), "ran": ["resolve", "base", "split", "config", "train", "merge", "bake"],
+                     "state": "done"}
+
+
+def test_first_bake_runs_every_step(project):
     report = bake_json(str(project.plan_path))
-    return project, report
+    assert report["ran"] == ["resolve", "base", "split", "config", "train", "merge", "bake"]
+    assert report["skipped"] == [] and report["state"] == "done"
 
 
 def test_bake_makes_every_artifact(baked):
     project, report = baked
-    assert report["state"] == "done"
-    assert report["ran"] == ["resolve", "base", "split", "config", "train", "merge", "bake"]
     folder = __import__("pathlib").Path(report["folder"])
     for name in ("plan.json", "examples.parquet", "config.yaml", "metrics.jsonl", "log.txt"):
         assert (folder / name).is_file(), name

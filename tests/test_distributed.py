@@ -19,11 +19,10 @@ def final(folder: Path) -> bytes:
     return (folder / "checkpoints/step-000008/adapter_model.safetensors").read_bytes()
 
 
-def test_two_processes_match_one_and_resume_exactly(project, tmp_path):
-    project.write(lora_dropout=0.0)
-    one = Path(bake_json(str(project.plan_path), "--runs", str(tmp_path / "one"))["folder"])
-    project.write(processes=2)
-    two = Path(bake_json(str(project.plan_path), "--runs", str(tmp_path / "two"))["folder"])
+def test_two_processes_match_one_and_resume_exactly(project, tmp_path, references):
+    one = references.folder(lora_dropout=0.0)
+    two = references.folder(lora_dropout=0.0, processes=2)
+    project.write(lora_dropout=0.0, processes=2)
     log = (two / "log.txt").read_text()
     assert "torch.distributed.run" in log and "shared by 2 processes" in log
     meta = json.loads((two / "checkpoints/step-000008/meta.json").read_text())

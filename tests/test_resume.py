@@ -52,9 +52,8 @@ def losses(folder: Path) -> list[tuple[int, float]]:
 
 
 @pytest.fixture
-def reference(project, tmp_path):
-    report = bake_in(tmp_path / "ref", project.plan_path)
-    return Path(report["folder"])
+def reference(references):
+    return references.folder()
 
 
 @pytest.mark.parametrize("at", [1, 5])

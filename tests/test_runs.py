@@ -52,8 +52,8 @@ def trainers_of(folder: Path) -> list[psutil.Process]:
 
 
 @pytest.fixture
-def reference(long_project, tmp_path):
-    return Path(bake_json(str(long_project.plan_path), "--runs", str(tmp_path / "ref"))["folder"])
+def reference(references):
+    return references.folder(steps=STEPS, save_every=10, eval_every=10)
 
 
 def test_detached_run_outlives_its_parent_and_shows_progress(long_project, tmp_path):

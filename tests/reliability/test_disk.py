@@ -7,10 +7,8 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from helpers import bake_json
 
 
 @pytest.fixture
@@ -24,9 +22,9 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_full_disk_during_a_checkpoint(project, tmp_path, small_disk):
+def test_full_disk_during_a_checkpoint(project, references, small_disk):
     project.write(steps=40, save_every=10, eval_every=10)
-    reference = Path(bake_json(str(project.plan_path), "--runs", str(tmp_path / "ref"))["folder"])
+    reference = references.folder(steps=40, save_every=10, eval_every=10)
 
     runs = small_disk / "runs"
     proc = subprocess.Popen(

@@ -9,15 +9,12 @@ A fast subset runs by default; ``pytest --kill-matrix`` runs every case.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import DEMO_DATA
 
 from overbrainer.build import compile_bake
 from overbrainer.graph import STEPS
@@ -59,19 +56,9 @@ CASES = [
 FINAL = "checkpoints/step-000008"
 
 
-@pytest.fixture(scope="module")
-def plan(tmp_path_factory, tiny_model) -> Path:
-    root = tmp_path_factory.mktemp("matrix")
-    shutil.copytree(tiny_model, root / "tiny")
-    (root / "chats.jsonl").write_text("\n".join(DEMO_DATA.read_text().splitlines()[:40]) + "\n")
-    plan = {
-        "name": "tiny", "base": "./tiny", "data": "chats.jsonl", "split": {"validation": 0.2},
-        "train": {"steps": 8, "micro_batch_size": 2, "gradient_accumulation_steps": 2, "sequence_len": 96,
-                  "learning_rate": 0.003, "save_every": 3, "eval_every": 4, "lora_r": 4, "lora_alpha": 8,
-                  "lora_dropout": 0.1},
-    }
-    (root / "plan.json").write_text(json.dumps(plan))
-    return root / "plan.json"
+@pytest.fixture
+def plan(project) -> Path:
+    return project.plan_path
 
 
 def bake(plan: Path, runs: Path, fault: str | None = None) -> subprocess.CompletedProcess:
@@ -84,11 +71,9 @@ def bake(plan: Path, runs: Path, fault: str | None = None) -> subprocess.Complet
     )
 
 
-@pytest.fixture(scope="module")
-def reference(plan, tmp_path_factory) -> Path:
-    runs = tmp_path_factory.mktemp("reference")
-    assert bake(plan, runs).returncode == 0
-    return runs / "tiny"
+@pytest.fixture
+def reference(references) -> Path:
+    return references.folder()
 
 
 def finished_checkpoints(folder: Path) -> dict[int, dict]:
