@@ -204,13 +204,19 @@ def _run(args: list[str], python: str, what: str, log: Path | None, check: bool 
     return done.returncode
 
 
-def _has_nvidia_gpu() -> bool:
+def nvidia_gpus() -> int:
+    """How many NVIDIA GPUs this machine has (nvidia-smi's count; no torch import)."""
     if not shutil.which("nvidia-smi"):
-        return False
+        return 0
     try:
-        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=30).returncode == 0
+        done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
-        return False
+        return 0
+    return sum(line.startswith("GPU ") for line in done.stdout.splitlines()) if done.returncode == 0 else 0
+
+
+def _has_nvidia_gpu() -> bool:
+    return nvidia_gpus() > 0
 
 
 def _last_line(text: str) -> str:

@@ -82,7 +82,7 @@ def test_commands_run_the_tools_python_and_merge_the_last_checkpoint(tmp_path, m
     assert trainer.stages() == ["train", "merge"] and trainer.stop_marker() == "stopped.json"
     two = Axolotl(processes=2)
     two.max_steps, two.lora = 8, False
-    assert two.commands() == [[python, "-m", "accelerate.commands.launch", "--num_processes", "2",
+    assert two.commands() == [[python, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                                "-m", "axolotl.cli.train", JOB_CONFIG]]
     env = trainer.env("/runs/x")
     assert env["AXOLOTL_DO_NOT_TRACK"] == "1" and env["PYTHONPATH"] == "/runs/x/axolotl-job"
@@ -113,6 +113,16 @@ def test_a_job_staged_to_run_elsewhere_needs_no_tools_here(tmp_path, monkeypatch
     assert job["base_model"] == "../base" and job["test_datasets"][0]["path"] == "axolotl-job/validation.parquet"
     assert pq.read_table(tmp_path / "axolotl-job" / "train.parquet").num_rows == 2
     assert (tmp_path / "axolotl-job" / "axolotl_plugin.py").is_file()
+
+
+def test_several_processes_need_as_many_gpus(tmp_path, monkeypatch):
+    from overbrainer.errors import OverbrainerError
+
+    monkeypatch.setattr(tools, "nvidia_gpus", lambda: 0)
+    (tmp_path / "examples.parquet").write_bytes(b"PAR1")
+    (tmp_path / "config.yaml").write_text("max_steps: 4\nadapter: lora\n")
+    with pytest.raises(OverbrainerError, match="train.processes is 2, but the Axolotl trainer runs one process per GPU"):
+        Axolotl(processes=2).prepare(tmp_path, str(tmp_path))
 
 
 def test_no_examples_is_its_own_error(tmp_path):

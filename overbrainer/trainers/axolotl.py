@@ -27,8 +27,9 @@ here target runs "python" as its own interpreter, and Axolotl's is another one. 
 run elsewhere (export, ssh: ``root`` is another path), the commands name "python", the
 job's own interpreter, in which the target installs Axolotl; nothing is built here then.
 
-1. train: ``python -m axolotl.cli.train axolotl-job/config.yaml`` (several processes:
-   ``python -m accelerate.commands.launch --num_processes N -m axolotl.cli.train ...``);
+1. train: ``python -m axolotl.cli.train axolotl-job/config.yaml`` (several processes, one
+   per GPU: ``python -m accelerate.commands.launch --multi_gpu --num_processes N -m
+   axolotl.cli.train ...``; Axolotl cannot train on several CPU processes);
    Axolotl resumes from the newest ``checkpoint-N`` by itself.
 2. merge (LoRA only): ``python -m axolotl.cli.merge_lora axolotl-job/config.yaml
    --lora_model_dir=checkpoints/checkpoint-<steps> --output_dir=axolotl-job``, skipped
@@ -96,6 +97,13 @@ class Axolotl:
         cfg = yaml.safe_load((run_dir / CONFIG).read_text())
         self.max_steps = int(cfg["max_steps"])
         self.lora = cfg.get("adapter") in ("lora", "qlora")
+        if self.here and self.processes > 1 and tools.nvidia_gpus() < self.processes:
+            # Axolotl puts each process on its own GPU; on CPUs it trains in one process
+            raise OverbrainerError(
+                f"train.processes is {self.processes}, but the Axolotl trainer runs one process per GPU and this "
+                f"machine has {tools.nvidia_gpus()}; set train.processes to at most that (1 on CPUs), or use the "
+                "built-in trainer, which trains on several CPU processes"
+            )
 
         job = run_dir / JOB_DIR
         job.mkdir(exist_ok=True)
@@ -128,7 +136,8 @@ class Axolotl:
 
         python = str(tools.axolotl_python()) if self.here else "python"
         if self.processes > 1:
-            train = [python, "-m", "accelerate.commands.launch", "--num_processes", str(self.processes),
+            # one process per GPU (Axolotl's way); a DeepSpeed config in config.yaml is Axolotl's
+            train = [python, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(self.processes),
                      "-m", "axolotl.cli.train", JOB_CONFIG]
         else:
             train = [python, "-m", "axolotl.cli.train", JOB_CONFIG]
