@@ -14,9 +14,14 @@ its ``llama`` architecture, the same keys its own ``convert_hf_to_gguf.py`` writ
     tensors                   llama.cpp's names (token_embd, blk.N.attn_q, ...), q and k rows
                               permuted for its RoPE layout, norms and 1-D tensors in F32
 
-Which tensor gets which type follows llama.cpp's converter: 1-D tensors and norms stay F32;
-a matrix whose rows do not split into whole blocks of the type falls back to F16; the ternary
-types (tq1_0, tq2_0) keep the embedding and output matrices in F16.
+Which tensor gets which type follows llama.cpp's converter and its ``llama-quantize``: 1-D
+tensors and norms stay F32; a matrix whose rows do not split into whole blocks of the type
+falls back to F16; the ternary types (tq1_0, tq2_0) keep the embedding and output matrices in
+F16; the 4- and 5-bit types keep the output matrix (the embedding matrix, when the two are
+tied) in Q8_0, where llama-quantize uses Q6_K, or Q8_0 when rows do not split into 256-blocks
+(the gguf package cannot make Q6_K in Python). On SmolLM2 every tensor of the f16, bf16, q8_0,
+q4_0, q4_1, q5_0 and q5_1 files is byte for byte what llama-quantize makes of the same weights
+(bench/check_llamacpp.py).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ _LLAMA3_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _TERNARY = ("tq1_0", "tq2_0")
+_FEW_BITS = ("q5_1", "q5_0", "q4_1", "q4_0", "mxfp4")  # the output matrix goes in Q8_0
 _LLAMA_CPP_NAMES = {"f32": "ALL_F32", "mxfp4": "MOSTLY_MXFP4_MOE"}  # the rest: MOSTLY_<TYPE>
 
 
@@ -104,6 +110,7 @@ def _tensors(merged: Path, config: dict, qtype: str):
     n_head = config["num_attention_heads"]
     n_kv_head = config.get("num_key_value_heads") or n_head
     tied = config.get("tie_word_embeddings", False)
+    output = "token_embd.weight" if tied else "output.weight"  # the matrix that makes the logits
     for part in _weight_files(merged):
         with safe_open(str(part), framework="numpy") as f:
             for hf_name in f.keys():
@@ -120,7 +127,7 @@ def _tensors(merged: Path, config: dict, qtype: str):
                     data = _rope_permute(data, n_head)
                 elif name.startswith("blk.") and ".attn_k." in name:
                     data = _rope_permute(data, n_kv_head)
-                tensor_type = _tensor_type(name, data, qtype)
+                tensor_type = _tensor_type(name, data, qtype, output=name == output)
                 yield name, gguf.quants.quantize(data, tensor_type), tensor_type
 
 
@@ -144,14 +151,17 @@ def _rope_permute(w, n_head: int):
     return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tensor_type(name: str, data, qtype: str):
-    """The GGML type one tensor is stored as, in a file of type ``qtype``."""
+def _tensor_type(name: str, data, qtype: str, output: bool = False):
+    """The GGML type one tensor is stored as, in a file of type ``qtype``; ``output`` when it is
+    the matrix that makes the logits."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     if data.ndim <= 1 or name.endswith("_norm.weight"):
         return GGMLQuantizationType.F32  # llama.cpp reads norms and vectors in F32 only
     if qtype in _TERNARY and name in ("token_embd.weight", "output.weight"):
         return GGMLQuantizationType.F16  # ternary embeddings would lose the vocabulary
+    if qtype in _FEW_BITS and output:
+        qtype = "q8_0"  # every logit goes through it: 4 bits there cost the most
     wanted = GGMLQuantizationType[qtype.upper()]
     block, _ = GGML_QUANT_SIZES[wanted]
     if data.shape[-1] % block:
