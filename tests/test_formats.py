@@ -109,6 +109,22 @@ def test_llama_cpp_pre_tokenizer_names():
         llama_cpp_pre({"model": {"type": "Unigram"}})
 
 
+def test_tensor_types_follow_llama_cpp():
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+
+    from overbrainer.formats.gguf import _tensor_type
+
+    matrix = np.zeros((64, 256), np.float32)
+    assert _tensor_type("blk.0.attn_q.weight", matrix, "q4_0") == T.Q4_0
+    assert _tensor_type("output.weight", matrix, "q4_0", output=True) == T.Q8_0  # the logits
+    assert _tensor_type("output.weight", matrix, "q8_0", output=True) == T.Q8_0
+    assert _tensor_type("blk.0.attn_norm.weight", np.zeros(64, np.float32), "q8_0") == T.F32
+    assert _tensor_type("blk.0.ffn_down.weight", np.zeros((64, 48), np.float32), "q8_0") == T.F16
+    assert _tensor_type("blk.0.ffn_down.weight", matrix, "tq1_0") == T.TQ1_0
+    assert _tensor_type("token_embd.weight", matrix, "tq1_0") == T.F16
+
+
 def test_chatml_templates_and_their_default_system_prompt(tiny_model):
     from tiny import CHATML
 
@@ -202,7 +218,8 @@ def check_card_and_curve(baked: Path, folder: Path) -> None:
     png = (baked / "loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
     assert int.from_bytes(png[16:20], "big") == 700 and int.from_bytes(png[20:24], "big") == 400
-    metrics = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    metrics = [m for m in lines if "step" in m]  # other lines mark stages of the job
     card = (baked / "README.md").read_text()
     assert "| step | loss | eval_loss | lr | phase |" in card and "](loss.png)" in card
     rows = [line for line in card.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
@@ -216,11 +233,13 @@ def check_card_and_curve(baked: Path, folder: Path) -> None:
         assert name in card, name
 
 
-def test_bake_in_every_format(project, tiny_model):
+def test_bake_in_every_format(baked_copy, tiny_model):
+    project = baked_copy()  # a finished bake of the tiny plan, in safetensors only
     project.plan["bake"] = {"formats": FORMATS}
     project.write()
     report = bake_json(str(project.plan_path))
     assert report["state"] == "done"
+    assert report["ran"] == ["resolve", "bake"]  # the formats are the bake step's alone
     folder = Path(report["folder"])
     baked, merged = folder / "baked", folder / "merged"
     assert sorted(gguf_files(baked)) == ["f16", "q8_0"]
