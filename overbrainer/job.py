@@ -45,6 +45,7 @@ import base64
 import fnmatch
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -237,11 +238,23 @@ def resolve_base(home: Path, job: dict, given: str | None) -> Path:
     hub = base.get("hub")
     if hub:
         print(f"downloading the base model {hub['repo']} at {hub['commit'][:12]} from the hub", flush=True)
-        from huggingface_hub import snapshot_download
-
         tmp = home / ".base-download"
-        snapshot_download(hub["repo"], revision=hub["commit"], local_dir=tmp, allow_patterns=[f["path"] for f in files])
-        check_files(tmp, files, f"the hub's {hub['repo']}@{hub['commit'][:12]}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            try:
+                from huggingface_hub import snapshot_download
+
+                snapshot_download(hub["repo"], revision=hub["commit"], local_dir=tmp,
+                                  allow_patterns=[f["path"] for f in files])
+            except Exception as e:  # no package, no network, a gated repo without HF_TOKEN...
+                raise JobError(
+                    f"cannot download the base model {hub['repo']} from the hub ({type(e).__name__}: {e}); "
+                    "download it elsewhere and give it with `python run.py --base PATH`"
+                ) from None
+            check_files(tmp, files, f"the hub's {hub['repo']}@{hub['commit'][:12]}")
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         os.replace(tmp, link)
         return link
     what = "base/ is not here" if base.get("carried") else "this job does not carry its base model"
@@ -314,8 +327,12 @@ def run_commands(job: dict, run_dir: Path) -> int:
         with open(log, "ab") as out:
             out.write(f"--- {_now()} {' '.join(argv)}\n".encode())
             out.flush()
-            proc = subprocess.Popen(argv, cwd=run_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+            try:
+                proc = subprocess.Popen(argv, cwd=run_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+            except OSError as e:
+                raise JobError(f"cannot run {argv[0]} ({e.strerror}): install the trainer's packages here, "
+                               f"`pip install {' '.join(job.get('install') or [])}`") from None
             code = proc.wait()
         if code != 0:
             return code
