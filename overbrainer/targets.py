@@ -41,9 +41,11 @@ import json
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -246,6 +248,8 @@ class SSH:
 
     def close(self) -> None:
         """End the shared connection, if there is one."""
+        if not _control_dir():
+            return
         argv = self.argv("true")
         subprocess.run([*argv[:-2], "-O", "exit", argv[-2]], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, start_new_session=True, check=False, timeout=30)
@@ -291,15 +295,18 @@ class SSH:
 
     def send_tar(self, write: Callable, into: str, what: str) -> None:
         """Stream a tar (what `write(stream)` writes) into the folder `into` there."""
-        proc = subprocess.Popen(self.argv(f"mkdir -p {q(into)} && tar -xf - -C {q(into)}"), stdin=subprocess.PIPE,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-        try:
-            write(proc.stdin)
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass
-        err = proc.stderr.read().decode(errors="replace").strip()
-        if proc.wait() != 0:
+        with tempfile.TemporaryFile() as errors:  # a file, not a pipe: nothing waits on it
+            proc = subprocess.Popen(self.argv(f"mkdir -p {q(into)} && tar -xf - -C {q(into)}"), stdin=subprocess.PIPE,
+                                    stdout=subprocess.DEVNULL, stderr=errors, start_new_session=True)
+            try:
+                write(proc.stdin)
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            code = proc.wait()
+            errors.seek(0)
+            err = errors.read().decode(errors="replace").strip()
+        if code != 0:
             raise OverbrainerError(f"{self.dest}: sending {what} failed: {err.splitlines()[-1] if err else 'ssh failed'}")
 
     def note(self, log: Path, message: str) -> None:
@@ -333,7 +340,11 @@ class SSH:
             log_from = status["log_start"]
         else:
             if status:  # an earlier attempt left a job folder: bring back what it has first
-                there = self.fetch(trainer, run_dir, runner, fp).listed
+                earlier = self.fetch(trainer, run_dir, runner, fp)
+                if earlier.state == "done" and (status.get("end") or {}).get("exit") == 0:
+                    self.note(log, f"the job on {self.dest} had ended well: its artifacts are back")
+                    return 0  # it ended after this side stopped following it (a bake killed here)
+                there = earlier.listed
             base_dir = self.send_base(root, log)
             extra = {"OVERBRAINER_TOOLS": f"{root}/tools"} if trainer.caches_tools() else {}
             staging = run_dir / f".send-{os.getpid()}"
@@ -348,7 +359,7 @@ class SSH:
                 shutil.rmtree(staging, ignore_errors=True)
             started = self.call_json(f"{runner} start --base {q(base_dir)}", "starting the job")
             log_from = started["log_start"]
-        end = self.follow(trainer, run_dir, runner, log, log_from, poll)
+        end = self.follow(trainer, run_dir, job_dir, runner, log, log_from, poll)
         self.note(log, f"the job on {self.dest} ended ({_ended(end)}); bringing back its artifacts")
         received = self.fetch(trainer, run_dir, runner, fp)
         return _taken_up({"state": received.state, "reason": received.reason}, log, f"on {self.dest}, {job_dir}")
@@ -398,7 +409,7 @@ class SSH:
         self.must(f"rm -rf {q(folder)} && mv {q(tmp)} {q(folder)} && touch {q(folder)}/.complete", "putting the base in place")
         return folder
 
-    def follow(self, trainer: Trainer, run_dir: Path, runner: str, log: Path, log_from: int,
+    def follow(self, trainer: Trainer, run_dir: Path, job_dir: str, runner: str, log: Path, log_from: int,
                poll: Callable[[], None]) -> dict:
         """Mirror the job's metrics file and log here until it ends; pass a stop on. Returns
         its end record."""
@@ -440,7 +451,7 @@ class SSH:
             if not now["running"] and now["end"] is None:
                 gone += 1
                 if gone >= 2:
-                    out = self.call(f"{runner.split(' && ')[0]} && tail -n 15 runner.out", "reading its output")
+                    out = self.call(f"tail -n 15 {q(job_dir)}/runner.out", "reading its output")
                     raise RunFailed(f"the job on {self.dest} ended without saying how", log_tail=out.decode(errors="replace"))
             if stop.exists() and time.monotonic() - stop_sent > 10:
                 self.must(f"{runner} stop", "passing the stop on")
@@ -496,9 +507,6 @@ def _ended(end: dict) -> str:
 def _control_dir() -> str | None:
     """A folder for ssh's connection sockets, this user's alone (else no sharing): short,
     for the socket path limit."""
-    import stat
-    import tempfile
-
     folder = Path(tempfile.gettempdir()) / f"overbrainer-ssh-{os.getuid()}"
     try:
         folder.mkdir(mode=0o700, exist_ok=True)
