@@ -381,6 +381,41 @@ def test_the_job_script_needs_only_the_standard_library():
     assert modules - set(sys.stdlib_module_names) == {"blake3", "huggingface_hub"}
 
 
+def test_a_hub_base_is_downloaded_by_the_job_at_its_commit_and_checked(tiny_model, tmp_path, monkeypatch):
+    """A bundle does not carry a hub base: run.py fetches it at the pinned commit (here a
+    stand-in for huggingface_hub, no network) and checks every file before training."""
+    import types
+
+    import overbrainer.job as job
+    from overbrainer.hashing import hash_file
+
+    files = [{"path": p.name, "size": p.stat().st_size, "hash": hash_file(p)} for p in sorted(tiny_model.iterdir())]
+    spec = {"base": {"files": files, "hub": {"repo": "org/tiny", "commit": "c0ffee" * 6}, "carried": False}}
+    asked = []
+
+    def snapshot_download(repo, revision, local_dir, allow_patterns):
+        asked.append((repo, revision, sorted(allow_patterns)))
+        shutil.copytree(served, local_dir)
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(snapshot_download=snapshot_download))
+    served = tiny_model
+    home = tmp_path / "job"
+    home.mkdir()
+    base = job.resolve_base(home, spec, None)
+    assert asked == [("org/tiny", "c0ffee" * 6, sorted(f["path"] for f in files))]
+    assert (base / "model.safetensors").read_bytes() == (tiny_model / "model.safetensors").read_bytes()
+    assert job.resolve_base(home, spec, None) == base and len(asked) == 1  # once
+
+    served = tmp_path / "moved-on"  # the hub has other bytes under that name
+    shutil.copytree(tiny_model, served)
+    (served / "config.json").write_text("{}")
+    other = tmp_path / "job2"
+    other.mkdir()
+    with pytest.raises(job.JobError, match="config.json differs from the one this job was made with"):
+        job.resolve_base(other, spec, None)
+    assert not (other / "base").exists()
+
+
 # -- ssh -------------------------------------------------------------------------------------
 
 
@@ -536,7 +571,10 @@ def test_ssh_tools_are_made_once_there(over_ssh, monkeypatch, tmp_path):
         target.close()
 
 
-def test_ssh_bake_killed_here_follows_the_job_still_running_there(plan, reference, over_ssh):
+@pytest.mark.parametrize("there", ["running", "ended"])
+def test_ssh_bake_killed_here_takes_up_the_job_there(plan, reference, over_ssh, there):
+    """A bake killed here leaves the job going on there: the next bake follows it (still
+    running) or brings back what it made (ended meanwhile), never starting it twice."""
     import signal
 
     plan_path = set_where(plan, over_ssh)
@@ -546,10 +584,13 @@ def test_ssh_bake_killed_here_follows_the_job_still_running_there(plan, referenc
     os.kill(json.loads((folder / "run.json").read_text())["process"]["pid"], signal.SIGKILL)
     (job,) = (Path(over_ssh["workdir"]) / "runs").iterdir()
     assert not (job / "end.json").exists()  # the job goes on there without the bake
+    if there == "ended":
+        wait_for(lambda: (job / "end.json").exists(), timeout=300)
 
     done = bake(plan_path)
     assert done["state"] == "done", done
-    assert "following the job already running" in (folder / "log.txt").read_text()
+    said = {"running": "following the job already running", "ended": "had ended well: its artifacts are back"}
+    assert said[there] in (folder / "log.txt").read_text()
     assert (job / "run" / "log.txt").read_text().count("--- ") == 1  # it was not started twice
     assert weights(folder) == weights(reference)
     assert losses(folder) == losses(reference)
