@@ -49,6 +49,13 @@ class Model:
             )
         meta = ckpt.read_meta(steps[step])
         base = Path(meta["base_model"])
+        if not base.is_absolute() or not base.is_dir():
+            # trained elsewhere (export, ssh): the base is this run's own base model
+            from .stamps import read_stamp
+
+            stamp = read_stamp(folder.stamp("base"))
+            if stamp is not None:
+                base = Path(stamp.summary["folder"])
         return cls(steps[step], base=base if meta.get("adapter") == "lora" else None, step=step, decayed=meta.get("decayed", True))
 
     def __repr__(self) -> str:

@@ -46,7 +46,8 @@ class Builtin:
         return METRICS
 
     def artifacts(self) -> Artifacts:
-        return Artifacts(entries=["checkpoints", METRICS, "log.txt", STOPPED], exclude=[".tmp-*"], required="checkpoints")
+        return Artifacts(entries=["checkpoints", METRICS, "log.txt", STOPPED, "trainer-error.txt"], exclude=[".tmp-*"],
+                         required="checkpoints")
 
     def stop_marker(self) -> str | None:
         return STOPPED
