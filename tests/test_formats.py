@@ -272,7 +272,6 @@ def test_bake_in_every_format(baked_copy, tiny_model):
     assert sorted(p.name for p in baked.iterdir()) == ["README.md", "loss.png", "tiny-q8_0.gguf"]
 
 
-@pytest.mark.xfail(strict=True, reason="check_formats is not yet called before training (config step)")
 def test_gguf_of_an_unsupported_model_fails_before_training(project, tmp_path):
     import torch
     from tiny import make_tiny_tokenizer

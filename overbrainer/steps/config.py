@@ -182,7 +182,13 @@ def _template_keeps_thinking(base_folder: Path) -> bool:
 
 
 def run(bake: Bake, inputs: dict) -> Outputs:
+    from ..formats import check_formats
+
     train = bake.plan.train
+    # what bake.formats asks must be possible for this model before anything trains
+    # (the train step asks again: the formats may change while config stays done)
+    check_formats(list(bake.plan.bake.formats), json.loads((Path(inputs["base_folder"]) / "config.json").read_text()),
+                  train.adapter)
     warnings = reasoning_warnings(bake.folder.examples, bake.data_paths, Path(inputs["base_folder"]))
     for warning in warnings:
         bake.say(f"warning: {warning}")

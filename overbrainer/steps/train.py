@@ -42,7 +42,12 @@ def inputs(bake: Bake) -> dict:
 
 
 def run(bake: Bake, inputs: dict) -> Outputs:
+    from ..formats import check_formats
+
     folder = bake.folder
+    base_folder = Path(upstream(bake, "base").summary["folder"])
+    check_formats(list(bake.plan.bake.formats), json.loads((base_folder / "config.json").read_text()),
+                  bake.plan.train.adapter)
     fp = fingerprint(NAME, VERSION, inputs)
     set_aside_other_runs(folder.root, folder.checkpoints, fp)
     max_steps = inputs["config"]["max_steps"]
