@@ -8,8 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from helpers import REPO
-from helpers import bake_json, cli
+from helpers import REPO, bake_json, cli
 
 from overbrainer.plan import load_plan
 
