@@ -121,9 +121,11 @@ class Run:
         except (OSError, ValueError):
             raise RunStateError(f"{self.folder.root}: no plan.json; bake a plan into this folder first") from None
 
-    def update(self, **fields) -> dict:
+    def update(self, _only_if: tuple[str, ...] | None = None, **fields) -> dict:
         """Change run.json (what the supervisor does; also `stop`). Read-modify-write under
-        a lock, so that a `stop` and the supervisor's step count never undo each other."""
+        a lock, so that a `stop` and the supervisor's step count never undo each other;
+        with `_only_if`, only while the state is one of those (a stop that comes as the
+        run ends must not turn its final state back into "stopping")."""
         import fcntl
 
         self.folder.root.mkdir(parents=True, exist_ok=True)
@@ -131,6 +133,8 @@ class Run:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             data = self._read()
+            if _only_if is not None and data.get("state") not in _only_if:
+                return data
             if data.get("state") == "stopping" and fields.get("state") == "running":
                 fields = {k: v for k, v in fields.items() if k != "state"}  # a stop asked stays asked
             data.update(fields)
@@ -204,7 +208,7 @@ class Run:
         if state not in ACTIVE:
             return state
         self.folder.stop_request.write_text(now() + "\n")
-        self.update(state="stopping")
+        self.update(_only_if=ACTIVE, state="stopping")
         if not wait:
             return "stopping"
         deadline = time.monotonic() + timeout
