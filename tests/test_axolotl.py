@@ -301,8 +301,9 @@ def test_bake_end_to_end_then_stop_and_resume(axolotl_project, axolotl_venv, tmp
     assert (folder / "baked" / "model.safetensors").is_file() and (folder / "baked" / "README.md").is_file()
 
     # a rerun runs nothing
+    why = cli("bake", str(axolotl_project.plan_path), "--dry-run").stdout
     again = bake_json(str(axolotl_project.plan_path))
-    assert again["ran"] == [] and again["state"] == "done"
+    assert again["ran"] == [] and again["state"] == "done", why
 
     # stop, then resume: the same run, within the tolerance
     runs = tmp_path / "stopped"
