@@ -73,7 +73,12 @@ IMPORTED = "imported.json"
 FINGERPRINT_ENV = "OVERBRAINER_FINGERPRINT"
 SOURCE_FILE = "overbrainer-source.json"  # base.py's record of where a cached base came from
 # what a job folder needs to run a trainer, by trainer: pip requirements
-REQUIREMENTS = {"builtin": [f"overbrainer=={__version__}"], "axolotl": ["axolotl", "blake3"]}
+# what a job elsewhere installs: pinned as the tools environment here is (Axolotl takes
+# torch 2.11–2.13; on a GPU machine pip picks its CUDA build)
+REQUIREMENTS = {
+    "builtin": [f"overbrainer=={__version__}"],
+    "axolotl": ["torch==2.13.0", "axolotl==0.19.0", "blake3"],
+}
 
 
 class ImportRefused(OverbrainerError):
