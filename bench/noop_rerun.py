@@ -59,8 +59,9 @@ from _common import (  # noqa: E402
 )
 
 HIDDEN = 64
-# the tools' own state in the run folder (besides every dot-file): not artifacts
-STATE_NAMES = {"run.json", "dvc.yaml", "dvc.lock"}
+# the tools' own state in the run folder (besides every dot-file), and attic/ (outputs of an
+# older fingerprint, moved aside by a rerun, stamped by nobody): not artifacts
+STATE_NAMES = {"run.json", "dvc.yaml", "dvc.lock", "attic"}
 
 
 def env() -> dict:
@@ -197,6 +198,9 @@ class Setup:
     def record_peers(self, want: dict, bake_s: float) -> dict:
         """The peers' state recorded over the finished outputs, nothing run."""
         e = env()
+        # a rerun moved the older checkpoints to attic/ (by design); no tool checks them
+        # and the copy case would copy them: this scratch run does not keep them
+        shutil.rmtree(self.run / "attic", ignore_errors=True)
         # DVC: a repository in the run folder, its lock file written over the outputs
         dvc = venv_bin("dvc")
         if not (self.run / ".dvc").is_dir():
@@ -211,7 +215,11 @@ class Setup:
         # all three tools start from outputs that match their own records.
         restore_stamped_mtimes(self.run)
         measure([dvc, "status", "-q"], cwd=self.run, env=e)  # DVC learns the restored mtimes
-        # plain doit: record the state of every file_dep over the finished outputs
+        # plain doit: record the state of every file_dep over the finished outputs, afresh
+        # (`doit reset-dep` keeps an old mtime when the md5 still matches, and doit then
+        # rehashes that file on every run)
+        for old in self.run.glob(".plain-doit.db*"):
+            old.unlink()
         cmd, cwd = self.commands(self.runs)["doit (md5 file_dep)"]
         measure([cmd[0], "reset-dep", *cmd[1:]], cwd=cwd, env=e).check()
         sizes = artifact_sizes(self.run)
