@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_DATA = REPO / "plans" / "data" / "pirate.jsonl"
@@ -28,6 +33,62 @@ def cli(*args: str, check: int | None = 0, timeout: float = 600, env: dict | Non
     return proc
 
 
+def cli_started(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """The real command line, started in its own process and left running."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "overbrainer.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
 def bake_json(*args: str, check: int | None = 0, env: dict | None = None) -> dict:
     proc = cli("bake", *args, "--json", check=check, env=env)
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def trainers_of(folder: Path) -> list[psutil.Process]:
+    """The built-in trainer's processes working in `folder` (a job runs in its run folder)."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        try:
+            if "overbrainer.trainers.loop" in cmd and Path(p.cwd()) == Path(folder):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+@contextmanager
+def held(processes: list[psutil.Process]):
+    """Keep `processes` still (SIGSTOP) until the block ends, then let them go on (SIGCONT).
+
+    A test that stops a run in the middle holds its trainer while the stop request travels,
+    so the trainer cannot finish its last step first on a busy machine: the test is about
+    what a stop does, not about winning a race against a fast tiny model."""
+    for p in processes:
+        os.kill(p.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in processes:
+            try:
+                os.kill(p.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+
+def stop_held(folder: Path, trainers: list[psutil.Process], request: Path, *args: str) -> str:
+    """`overbrainer stop FOLDER`, with the trainers held until the stop request has reached
+    them as the file `request`; its output once it returned."""
+    with held(trainers):
+        proc = cli_started("stop", str(folder), *args)
+        deadline = time.monotonic() + 120
+        while not request.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
+    return out

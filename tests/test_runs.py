@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import bake_json, cli
+from helpers import bake_json, cli, stop_held, trainers_of
 
 import overbrainer
 from overbrainer import Run
@@ -40,19 +40,6 @@ def until(predicate, timeout=180, what="the condition"):
 
 def final_weights(folder: Path) -> bytes:
     return (folder / f"checkpoints/step-{STEPS:06d}/adapter_model.safetensors").read_bytes()
-
-
-def trainers_of(folder: Path) -> list[psutil.Process]:
-    """Trainer processes working in `folder` (the job runs in the run folder)."""
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        try:
-            if "overbrainer.trainers.loop" in cmd and Path(p.cwd()) == folder:
-                out.append(p)
-        except psutil.Error:
-            continue
-    return out
 
 
 @pytest.fixture
@@ -93,8 +80,8 @@ def test_stop_and_resume_twice_is_bitwise_equal(long_project, tmp_path, referenc
     run = Run(runs / "tiny")
     for at in (5, 22):
         until(lambda at=at: run.progress()["step"] >= at, what=f"step {at}")
-        stop = cli("stop", str(run.folder.root))
-        assert "stopped" in stop.stdout, stop.stdout
+        stop = stop_held(run.folder.root, trainers_of(run.folder.root), run.folder.stop_request)
+        assert "stopped" in stop, stop
         assert run.state == "stopped" and run.status["reason"].startswith("stopped at step")
         step = run.checkpoints()[-1]
         assert step >= at and not trainers_of(run.folder.root)

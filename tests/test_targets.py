@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import cli
+from helpers import cli, held, stop_held, trainers_of
 
 STEPS = 24  # long enough (about 8 s of training) for a stop to arrive in the middle
 FINAL = f"checkpoints/step-{STEPS:06d}/adapter_model.safetensors"
@@ -186,7 +186,8 @@ def test_export_stopped_there_resumes_from_its_checkpoint(plan, reference, tmp_p
     proc = subprocess.Popen([sys.executable, "run.py"], cwd=job, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     wait_for(lambda: len(metric_steps(job / "run" / "metrics.jsonl")) >= 2)
-    subprocess.run([sys.executable, "run.py", "stop"], cwd=job, check=True, capture_output=True)
+    with held(wait_for(lambda: trainers_of(job / "run"))):  # still, until the stop is there
+        subprocess.run([sys.executable, "run.py", "stop"], cwd=job, check=True, capture_output=True)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
     assert "stopped on request" in out
@@ -511,9 +512,10 @@ def test_ssh_stop_there_then_resume(plan, reference, over_ssh):
     # the job's metrics come here while it runs: run.json's step moves
     wait_for(lambda: (json.loads((folder / "run.json").read_text()).get("step") or 0) >= 2)
     assert len(metric_steps(folder / "metrics.jsonl")) >= 2
-    stopped = cli("stop", str(folder), "--timeout", "300")
-    assert "stopped" in stopped.stdout, stopped.stdout
     (job,) = (Path(over_ssh["workdir"]) / "runs").iterdir()
+    # the trainer there (this machine) is held until the stop has travelled to it
+    stopped = stop_held(folder, wait_for(lambda: trainers_of(job / "run")), job / "run" / "stop", "--timeout", "300")
+    assert "stopped" in stopped, stopped
     assert json.loads((job / "end.json").read_text())["stopped"] is True
     step = json.loads((folder / "stopped.json").read_text())["step"]  # brought back
     assert 2 <= step < STEPS
