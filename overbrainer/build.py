@@ -12,13 +12,18 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from .base import BaseSpec, parse_base
 from .errors import OverbrainerError, RunStateError
 from .hashing import HashCache
 from .layout import RunFolder, runs_root
-from .plan import Plan, load_plan
+from .remembered import load as load_plan
+from .remembered import remember, validated
+
+if TYPE_CHECKING:
+    from .plan import Plan
+    from .remembered import Remembered
 
 __all__ = ["Bake", "compile_bake", "run_bake", "dry_run", "would_run", "doit_config"]
 
@@ -27,7 +32,7 @@ __all__ = ["Bake", "compile_bake", "run_bake", "dry_run", "would_run", "doit_con
 class Bake:
     """Everything the steps read: the validated plan, where things are, and what happened."""
 
-    plan: Plan
+    plan: Plan | Remembered  # Remembered on paths that only check; `validate` makes it the models
     plan_path: Path
     folder: RunFolder
     base: BaseSpec
@@ -40,6 +45,7 @@ class Bake:
     error: BaseException | None = None
     tell_errors: bool = False  # the doit reporter prints the error (under `doit`, no CLI)
     record: object | None = None  # the Run whose run.json this bake keeps, while it runs
+    plan_bytes: bytes | None = None  # what the plan file held when it was read
 
     @property
     def plan_dir(self) -> Path:
@@ -51,6 +57,11 @@ class Bake:
             return os.path.relpath(path)
         except ValueError:
             return str(path)
+
+    def validate(self) -> None:
+        """The plan as its models, for a step about to run work (see ``remembered``)."""
+        if not hasattr(self.plan, "model_copy"):
+            self.plan = validated(self.plan_path)
 
     def say(self, message: str) -> None:
         if not self.quiet:
@@ -64,7 +75,8 @@ class Bake:
 
 def compile_bake(plan_path: str | os.PathLike, runs: str | os.PathLike | None = None, **options) -> Bake:
     plan_path = Path(plan_path).absolute()
-    plan = load_plan(plan_path)
+    root = Path(runs).absolute() if runs else runs_root()
+    plan, raw = load_plan(plan_path, root)
     shown_plan = os.path.relpath(plan_path) if not str(plan_path).startswith("..") else str(plan_path)
     data_paths = []
     for i, rel in enumerate(plan.data_files):
@@ -77,7 +89,6 @@ def compile_bake(plan_path: str | os.PathLike, runs: str | os.PathLike | None = 
             )
         data_paths.append(path)
     base = parse_base(plan.base, plan_path.parent)
-    root = Path(runs).absolute() if runs else runs_root()
     folder = RunFolder(root / plan.name)
     return Bake(
         plan=plan,
@@ -86,6 +97,7 @@ def compile_bake(plan_path: str | os.PathLike, runs: str | os.PathLike | None = 
         base=base,
         data_paths=data_paths,
         hashes=HashCache(folder.hash_cache),
+        plan_bytes=raw,
         **options,
     )
 
@@ -114,6 +126,8 @@ def run_bake(bake: Bake, task: str = "train") -> int:
     from .graph import doit_tasks
 
     bake.folder.root.mkdir(parents=True, exist_ok=True)
+    if bake.plan_bytes is not None and hasattr(bake.plan, "model_copy"):
+        remember(bake.plan_path, bake.plan_bytes, bake.plan, bake.folder.root)  # a folder new for this plan
     with _exclusive(bake.folder):
         record = Run(bake.folder.root)
         attempts = record._read().get("attempts", [])

@@ -316,10 +316,10 @@ def _run(value: str, runs: str | None):
 
     path = Path(value)
     if path.is_file() and path.suffix == ".json":
-        from .plan import load_plan
+        from .remembered import load
 
         root = Path(runs).absolute() if runs else runs_root()
-        return Run(root / load_plan(path).name)
+        return Run(root / load(path.absolute(), root)[0].name)
     if path.is_dir():
         return Run(path)
     root = Path(runs).absolute() if runs else runs_root()

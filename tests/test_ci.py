@@ -213,6 +213,28 @@ def test_check_imports_no_heavy_library(finished, tmp_path):
     assert proc.returncode == 0, proc.stderr
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert not {m for m in imported if m.split(".")[0] in HEAVY}
+    # the run folder remembers the validated plan: no pydantic while the plan file is as it was
+    assert "overbrainer.remembered" in imported and "pydantic" not in imported and "overbrainer.plan" not in imported
+
+
+def test_a_plan_edited_after_its_bake_is_validated_again(finished, tmp_path):
+    folder = finished.restore(tmp_path / "runs")
+    memo = json.loads((folder / ".plan.json").read_text())
+    assert memo["plan"]["train"]["learning_rate"] == json.loads(finished.plan.read_text())["train"]["learning_rate"]
+    plan = tmp_path / "edited" / "plan.json"
+    shutil.copytree(finished.plan.parent, plan.parent)
+    data = json.loads(plan.read_text())
+    data["train"]["learnig_rate"] = data["train"].pop("learning_rate")
+    plan.write_text(json.dumps(data, indent=1))
+    err = cli("bake", str(plan), "--check", "--runs", str(tmp_path / "runs"), check=2)
+    assert "train.learnig_rate: unknown setting; did you mean train.learning_rate?" in err.stderr
+    data["train"]["learning_rate"] = data["train"].pop("learnig_rate") * 2
+    plan.write_text(json.dumps(data, indent=1))
+    out = cli("bake", str(plan), "--check", "--runs", str(tmp_path / "runs"), check=1)
+    assert "would run config" in out.stdout and "train.learning_rate" in out.stdout
+    assert "would run split" not in out.stdout
+    memo = json.loads((folder / ".plan.json").read_text())
+    assert memo["plan"]["train"]["learning_rate"] == data["train"]["learning_rate"]  # remembered anew
 
 
 def test_ci_recipe_changed_data_reruns_split_and_after(finished, tmp_path):

@@ -92,6 +92,7 @@ def execute(bake: Bake, module: ModuleType) -> bool:
     # whatever its partial outputs look like
     stamp_path.unlink(missing_ok=True)
     bake.say(f"{module.NAME}: {status.reason}")
+    bake.validate()
     out = module.run(bake, status.inputs)
     from ..stamps import manifest
 

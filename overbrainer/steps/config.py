@@ -11,8 +11,6 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import yaml
-
 from ..stamps import outputs_digest, write_atomic
 from . import Outputs, upstream
 
@@ -89,6 +87,7 @@ def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: di
         "val_set_size": 0.0,
         "sequence_len": train.sequence_len,
         "sample_packing": False,
+        "group_by_length": train.group_by_length,
         "adapter": "lora" if lora else None,
         "lora_r": train.lora_r if lora else None,
         "lora_alpha": train.lora_alpha if lora else None,
@@ -204,5 +203,8 @@ def run(bake: Bake, inputs: dict) -> Outputs:
                                          "gradient_accumulation_steps": memory.gradient_accumulation_steps})
     cfg = build_config(train, base_folder, steps, special_tokens(Path(base_folder)), bake.plan.trust_remote_code)
     header = f"# written by overbrainer from {bake.shown(bake.plan_path)}; edits are overwritten\n"
+    import yaml
+
     write_atomic(bake.folder.config, (header + yaml.safe_dump(cfg, sort_keys=False)).encode())
-    return Outputs(["config.yaml"], summary={**steps, "memory": memory.as_dict(), "warnings": warnings})
+    # the config as data too: the train step's check reads it from this stamp, not the YAML
+    return Outputs(["config.yaml"], summary={**steps, "memory": memory.as_dict(), "warnings": warnings, "config": cfg})

@@ -12,8 +12,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import yaml
-
 from ..errors import OverbrainerError, RunFailed, RunStopped
 from ..stamps import fingerprint, outputs_digest
 from ..trainers import checkpoint as ckpt
@@ -29,11 +27,17 @@ TARGETS = ["checkpoints/", "metrics.jsonl", "log.txt"]
 
 def inputs(bake: Bake) -> dict:
     split, base = upstream(bake, "split"), upstream(bake, "base")
-    upstream(bake, "config")
-    try:
-        cfg = yaml.safe_load(bake.folder.config.read_text())
-    except (OSError, yaml.YAMLError):
-        raise NotReady("config") from None
+    # config.yaml as the config step wrote it (its stamp keeps it as data; the stamp's
+    # manifest holds config.yaml to it); a stamp older than that reads the file
+    cfg = upstream(bake, "config").summary.get("config")
+    if cfg is None:
+        import yaml
+
+        try:
+            cfg = yaml.safe_load(bake.folder.config.read_text())
+        except (OSError, yaml.YAMLError):
+            raise NotReady("config") from None
+    cfg = dict(cfg)
     # the run is what the config says, with the base model known by its content rather
     # than by where the cache put it: a cache moved elsewhere retrains nothing
     cfg["base_model"] = outputs_digest(base)

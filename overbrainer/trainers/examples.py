@@ -84,23 +84,46 @@ def load_examples(path: Path, tokenizer, max_len: int) -> tuple[list[Example], l
     return train, validation, dropped
 
 
+GROUP_STEPS = 64  # steps whose conversations are grouped by length together (group_by_length)
+
+
 class Order:
     """Which examples each optimizer step trains on, from the seed and the step alone.
 
     Epoch e is a permutation of the train examples drawn from ``seed`` and ``e``; the
     examples are consumed in that sequence, ``per_step`` at a time, across epoch
     boundaries. Step k's examples depend on nothing but k: resuming needs no data state.
+
+    With ``lengths`` (``group_by_length``), each epoch's permutation is cut into groups of
+    ``GROUP_STEPS`` steps' worth of examples; a group is sorted by length, cut into steps,
+    and its steps shuffled (again from the seed). A step then holds conversations of about
+    one length, so its micro-batches carry little padding (on CPU the matmuls cost what
+    their positions cost), while every epoch still trains each example once and the
+    lengths still come in a random order.
     """
 
-    def __init__(self, n: int, per_step: int, seed: int):
-        self.n, self.per_step, self.seed = n, per_step, seed
+    def __init__(self, n: int, per_step: int, seed: int, lengths: list[int] | None = None):
+        self.n, self.per_step, self.seed, self.lengths = n, per_step, seed, lengths
         self._perms: dict[int, list[int]] = {}
 
     def _perm(self, epoch: int) -> list[int]:
         if epoch not in self._perms:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perms = {epoch: torch.randperm(self.n, generator=g).tolist()}
+            perm = torch.randperm(self.n, generator=g).tolist()
+            if self.lengths is not None:
+                perm = self._grouped(perm, g)
+            self._perms = {epoch: perm}
         return self._perms[epoch]
+
+    def _grouped(self, perm: list[int], g: torch.Generator) -> list[int]:
+        out: list[int] = []
+        size = GROUP_STEPS * self.per_step
+        for start in range(0, len(perm), size):
+            group = sorted(perm[start : start + size], key=lambda i: self.lengths[i])
+            steps = [group[j : j + self.per_step] for j in range(0, len(group), self.per_step)]
+            for j in torch.randperm(len(steps), generator=g).tolist():
+                out.extend(steps[j])
+        return out
 
     def step(self, k: int) -> list[int]:
         """Indices of the examples of step k (0-based)."""
