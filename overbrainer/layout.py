@@ -14,6 +14,7 @@
 ``.stamps/``           one stamp per finished step (``stamps.py``)
 ``.doit.db``           doit's own state (sqlite3); losing it costs a few stats
 ``.hashes.json``       the content-hash cache
+``.plan.json``         the plan as last validated, for checks without pydantic (``remembered.py``)
 ``.lock``              held by the process that bakes this folder
 =====================  ==============================================================
 """
