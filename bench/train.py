@@ -122,6 +122,7 @@ def prepare(args) -> tuple[Path, dict]:
         steps=args.steps, micro_batch_size=args.batch, gradient_accumulation_steps=args.gas,
         sequence_len=args.seq, lora_r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
         learning_rate=args.lr, save_every=10**6, eval_every=10**6, seed=0,
+        group_by_length=not args.no_group_by_length, bf16=args.bf16,
     )
     steps = schedule_steps(settings, summary.train)
     cfg = build_config(settings, str(base), steps, special_tokens(base))
@@ -227,7 +228,9 @@ def worker_trl(run: Path, mode: str, threads: int, packed_batch: int) -> dict:
         setattr(tokenizer, key, value)
     # seeded and built the way the built-in loop does (trainers/loop.py: load_model)
     torch.manual_seed(cfg["seed"])
-    model = AutoModelForCausalLM.from_pretrained(cfg["base_model"], dtype=torch.float32, attn_implementation="sdpa")
+    bf16 = bool(cfg.get("bf16"))
+    model = AutoModelForCausalLM.from_pretrained(cfg["base_model"], dtype=torch.bfloat16 if bf16 else torch.float32,
+                                                 attn_implementation="sdpa")
     model.config.use_cache = False
     model = get_peft_model(model, LoraConfig(
         r=cfg["lora_r"], lora_alpha=cfg["lora_alpha"], lora_dropout=cfg["lora_dropout"],
@@ -245,7 +248,7 @@ def worker_trl(run: Path, mode: str, threads: int, packed_batch: int) -> dict:
         optim="adamw_torch", lr_scheduler_type="warmup_stable_decay", warmup_steps=cfg["warmup_steps"],
         lr_scheduler_kwargs={k: kw[k] for k in ("num_stable_steps", "num_decay_steps", "warmup_type", "decay_type",
                                                 "min_lr_ratio")},
-        bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, seed=cfg["seed"],
+        bf16=bf16, fp16=False, gradient_checkpointing=False, use_cpu=True, seed=cfg["seed"],
         logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
         dataloader_num_workers=0, train_sampling_strategy="sequential",
         max_length=None if mode == "trl-padfree" else cfg["sequence_len"],
@@ -407,6 +410,10 @@ def main() -> None:
     ap.add_argument("--lora-r", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bf16", action="store_true",
+                    help="both sides compute in bf16 (the base in bf16, the adapter float32; TRL: bf16=True)")
+    ap.add_argument("--no-group-by-length", action="store_true",
+                    help="each step's conversations drawn at random (train.group_by_length false)")
     ap.add_argument("--packed-batch", type=int, default=2)
     ap.add_argument("--only", default="builtin,trl,trl-padfree,trl-packed")
     ap.add_argument("--profile", action="store_true")
@@ -431,7 +438,8 @@ def main() -> None:
     lengths = sorted(len(e.ids) for s in steps for e in s)
     print(f"# model {args.model} ({cfg['base_model']}), {args.chats} chats of {lengths[0]}-{lengths[-1]} tokens "
           f"(median {lengths[len(lengths) // 2]}), {args.steps} steps of {args.batch}x{args.gas}, seq {args.seq}, "
-          f"LoRA r={args.lora_r} on {','.join(cfg['lora_target_modules'])}, fp32, {args.threads} threads; "
+          f"LoRA r={args.lora_r} on {','.join(cfg['lora_target_modules'])}, {'bf16' if args.bf16 else 'fp32'}, "
+          f"{'grouped by length' if cfg.get('group_by_length') else 'random batches'}, {args.threads} threads; "
           f"steady state: steps {args.skip + 1}-{args.steps}", flush=True)
     print(f"# per step: {sum(useful) / len(useful):.0f} non-pad tokens, {sum(loss_tok) / len(loss_tok):.0f} loss tokens, "
           f"{sum(padded) / len(padded):.0f} padded positions", flush=True)

@@ -88,6 +88,11 @@ class TrainSettings(_Settings):
     micro_batch_size: int = Field(default=4, gt=0, le=65536)
     gradient_accumulation_steps: int = Field(default=1, gt=0, le=65536)
     sequence_len: int = Field(default=512, ge=8, le=1_048_576)
+    bf16: bool | Literal["auto"] = Field(
+        default=False,
+        description='Compute in bfloat16 (the adapter and its optimizer stay float32): true, false, or "auto" '
+        "(where the hardware computes bf16 natively: a GPU that has it, a CPU with AVX512-BF16 or AMX).",
+    )
     group_by_length: bool = Field(
         default=True,
         description="Train conversations of about one length together (each epoch still sees every one "

@@ -121,7 +121,9 @@ def build(tmp: Path, final: Path, say: Callable[[str], None] = print, log: Path 
     say(f"tools: building the Axolotl {AXOLOTL_VERSION} environment at {final} (once per machine: a few minutes, about 4.3 GB)")
     _run(["-m", "venv", str(tmp)], sys.executable, "create the virtual environment", log)
     python = str(tmp / "bin" / "python")
-    pip = ["-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off"]
+    # --no-compile: pip would byte-compile all of its 4 GB here, at the temporary path; Python
+    # compiles what Axolotl imports, once, at the final path
+    pip = ["-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off", "--no-compile"]
     if _has_nvidia_gpu():
         say(f"tools: installing torch {TORCH_VERSION} (CUDA build)")
         _run([*pip, f"torch=={TORCH_VERSION}"], python, f"install torch {TORCH_VERSION}", log)

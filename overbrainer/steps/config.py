@@ -114,7 +114,7 @@ def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: di
         "eval_steps": train.eval_every,
         "seed": train.seed,
         "train_on_inputs": False,
-        "bf16": False,
+        "bf16": train.bf16,
         "fp16": False,
         "tf32": False,
         "flash_attention": False,

@@ -69,7 +69,8 @@ def train(config_path: Path) -> int:
 
     world = World()
     torch.manual_seed(cfg["seed"])  # the same initial adapter on every rank
-    model, tokenizer = load_model(cfg)
+    bf16 = use_bf16(cfg.get("bf16", False))
+    model, tokenizer = load_model(cfg, bf16)
     if world.size > 1:
         torch.manual_seed(cfg["seed"] + 7919 * world.rank)  # but its own dropout
     examples_path = run_dir / cfg["datasets"][0]["path"]
@@ -138,6 +139,7 @@ def train(config_path: Path) -> int:
             "adapter": cfg.get("adapter") or "full",
             "base_model": cfg["base_model"],
             "world_size": world.size,
+            "bf16": bf16,
             "peak_memory": peak_memory(),
         }
         try:
@@ -159,6 +161,7 @@ def train(config_path: Path) -> int:
     say(
         f"training {sum(p.numel() for p in params):,} parameters on {len(train_set)} conversations "
         f"({len(val_set)} for validation), {max_steps} steps of {mbs}x{gas}"
+        + (", computing in bf16" if bf16 else "")
         + (f" shared by {world.size} processes" if world.size > 1 else ""),
         flush=True,
     )
@@ -187,7 +190,8 @@ def train(config_path: Path) -> int:
         step_loss, step_tokens = 0.0, 0
         for micro in world.mine(micro_batches(batch, mbs)):
             inputs = collate(micro, pad_id)
-            loss = token_loss(model, inputs) / loss_tokens
+            with compute(bf16):
+                loss = token_loss(model, inputs) / loss_tokens
             loss.backward()
             step_loss += loss.item()
             step_tokens += int(inputs["attention_mask"].sum())
@@ -204,7 +208,8 @@ def train(config_path: Path) -> int:
 
         line = {"step": step, "tokens": tokens, "loss": round(step_loss, 6), "lr": lr}
         if step % eval_every == 0 or step == max_steps:
-            line["eval_loss"] = round(evaluate(model, val_set, mbs, pad_id, world), 6) if val_set else None
+            with compute(bf16):
+                line["eval_loss"] = round(evaluate(model, val_set, mbs, pad_id, world), 6) if val_set else None
             last["eval_loss"] = line["eval_loss"]
         seconds = time.monotonic() - started
         line.update(seconds=round(seconds, 3), phase=phase)
@@ -273,7 +278,28 @@ def make_schedule(optimizer, warmup: int, stable: int, decay: int):
     )
 
 
-def load_model(cfg: dict):
+def use_bf16(setting) -> bool:
+    """Whether to compute in bfloat16: the plan's true or false, or "auto": where the
+    hardware does bf16 arithmetic natively (elsewhere it would be emulated, and slower)."""
+    if setting != "auto":
+        return bool(setting)
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def compute(bf16: bool):
+    """Where the forward pass runs: autocast to bf16 (matmuls in bf16, sums and softmax in
+    float32), or plain float32."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=bf16)
+
+
+def load_model(cfg: dict, bf16: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
@@ -283,21 +309,28 @@ def load_model(cfg: dict):
     tokenizer = AutoTokenizer.from_pretrained(base)
     for key, value in (cfg.get("special_tokens") or {}).items():
         setattr(tokenizer, key, value)
+    lora = cfg.get("adapter") == "lora"
+    # a LoRA's base is frozen: in bf16 it is read as it is (no cast per step, half the
+    # memory); the adapter and its optimizer stay float32, as every trained weight does
+    dtype = torch.bfloat16 if bf16 and lora else torch.float32
     model = AutoModelForCausalLM.from_pretrained(
-        base, dtype=torch.float32, attn_implementation="sdpa", trust_remote_code=bool(cfg.get("trust_remote_code"))
+        base, dtype=dtype, attn_implementation="sdpa", trust_remote_code=bool(cfg.get("trust_remote_code"))
     )
     model.config.use_cache = False
-    if cfg.get("adapter") == "lora":
+    if lora:
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(
+        settings = LoraConfig(
             r=cfg["lora_r"],
             lora_alpha=cfg["lora_alpha"],
             lora_dropout=cfg["lora_dropout"],
             target_modules=cfg["lora_target_modules"],
             task_type="CAUSAL_LM",
         )
-        model = get_peft_model(model, lora)
+        model = get_peft_model(model, settings)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
     return model, tokenizer
 
 

@@ -32,6 +32,9 @@ def test_status_stop_and_resume_racing_a_bake(project, tmp_path, references):
                 except ValueError:
                     torn.append(path.name)
             seen.add(run.state)
+            # a few hundred looks a second: readers that spin would starve the trainer they
+            # watch of one of the machine's two cores
+            time.sleep(0.002)
 
     readers = [threading.Thread(target=read_forever) for _ in range(3)]
     for r in readers:
