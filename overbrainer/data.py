@@ -512,6 +512,7 @@ def split_conversations(
     validation: float | int,
     seed: int,
     display_names: dict[Path, str] | None = None,
+    source_names: dict[Path, str] | None = None,
 ) -> SplitSummary:
     """Validate ``files``, drop exact duplicates, split, and write ``out`` (Parquet).
 
@@ -530,6 +531,9 @@ def split_conversations(
     ``out``, moved into place with ``os.replace``. On any error neither ``out`` (not even
     an older one) nor a temporary file is left.
 
+    ``source_names`` maps a path to how the ``source`` column names it (default: as errors
+    do); a name that does not depend on where the command runs keeps the file the same
+    from wherever it is made.
     ``display_names`` maps a path to how errors and ``source`` name it (default
     ``str(path)``). Raises :class:`DataError` for a bad file or row, and for a
     ``split.validation`` that leaves no conversation to train on.
@@ -538,6 +542,8 @@ def split_conversations(
     display_names = display_names or {}
     names = [display_names.get(f) or display_names.get(Path(f)) or str(f) for f in files]
     where = ", ".join(names) if names else str(out)
+    source_names = source_names or {}
+    sources = [source_names.get(f) or source_names.get(Path(f)) or name for f, name in zip(files, names, strict=True)]
     count = _check_validation(validation, where)
     if not files:
         raise DataError(
@@ -553,10 +559,10 @@ def split_conversations(
     stage = out.with_name(f".{out.name}.{token}.stage.tmp")
     try:
         if not count:  # a fraction (or no validation at all): each row's split is known at once
-            summary = _write_rows(files, names, tmp, SCHEMA, seed, fraction=float(validation))
+            summary = _write_rows(files, names, sources, tmp, SCHEMA, seed, fraction=float(validation))
         else:
             summary, scores, tokens = _write_rows(
-                files, names, stage, _STAGE_SCHEMA, seed, fraction=None
+                files, names, sources, stage, _STAGE_SCHEMA, seed, fraction=None
             )
             if count and count >= summary.rows:
                 raise DataError(
@@ -616,6 +622,7 @@ def _check_validation(validation: float | int, where: str) -> int | None:
 def _write_rows(
     files: list[Path],
     names: list[str],
+    source_names: list[str],
     target: Path,
     schema: pa.Schema,
     seed: int,
@@ -659,7 +666,7 @@ def _write_rows(
                 column.clear()
             del offsets[1:]
 
-        for path, name in zip(files, names, strict=True):
+        for path, name, source in zip(files, names, source_names, strict=True):
             read = 0
             for number, messages in read_conversations(Path(path), display_name=name):
                 read += 1
@@ -676,7 +683,7 @@ def _write_rows(
                     estimate += len(m["content"]) // 4
                 offsets.append(len(roles))
                 ids.append(row_id)
-                sources.append(f"{name}:{number}")
+                sources.append(f"{source}:{number}")
                 if fraction is None:
                     scores.append(score)
                     tokens.append(estimate)

@@ -29,6 +29,8 @@ def run(bake: Bake, inputs: dict) -> Outputs:
         validation=bake.plan.split.validation,
         seed=bake.plan.split.seed,
         display_names=names,
+        # the source column names each file as the plan does: the same wherever the bake runs
+        source_names={p: rel for rel, p in zip(bake.plan.data_files, bake.data_paths)},
     )
     s = summary.as_dict()
     bake.say(
