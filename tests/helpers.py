@@ -74,11 +74,7 @@ def held(processes: list[psutil.Process]):
     try:
         yield
     finally:
-        for p in processes:
-            try:
-                os.kill(p.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        release(processes)
 
 
 def stop_held(folder: Path, trainers: list[psutil.Process], request: Path, *args: str) -> str:
@@ -92,3 +88,44 @@ def stop_held(folder: Path, trainers: list[psutil.Process], request: Path, *args
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
     return out
+
+
+def last_step(metrics: Path) -> int:
+    """The newest step a metrics file records (0 before the first)."""
+    try:
+        text = metrics.read_text()
+    except OSError:
+        return 0
+    steps = [0]
+    for raw in text.splitlines():
+        try:
+            steps.append(json.loads(raw).get("step") or 0)
+        except (ValueError, AttributeError):
+            continue  # a line being written
+    return max(steps)
+
+
+def hold_at_step(folder: Path, step: int, timeout: float = 300) -> list[psutil.Process]:
+    """The built-in trainer working in `folder`, held still (SIGSTOP) once its metrics file
+    there shows `step` (or a little more). A tiny model trains a step in milliseconds on an
+    idle machine: faster than a test can watch it, or a stop can travel to it."""
+    deadline = time.monotonic() + timeout
+    while not (trainers := trainers_of(folder)):
+        assert time.monotonic() < deadline, f"no trainer started in {folder}"
+        time.sleep(0.01)
+    while last_step(folder / "metrics.jsonl") < step:
+        assert time.monotonic() < deadline, f"the trainer in {folder} did not reach step {step}"
+        assert all(p.is_running() for p in trainers), f"the trainer in {folder} ended before step {step}"
+        time.sleep(0.001)
+    for p in trainers:
+        os.kill(p.pid, signal.SIGSTOP)
+    return trainers
+
+
+def release(processes: list[psutil.Process]) -> None:
+    """Let held processes go on (SIGCONT)."""
+    for p in processes:
+        try:
+            os.kill(p.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import bake_json, cli, stop_held, trainers_of
+from helpers import bake_json, cli, hold_at_step, stop_held, trainers_of
 
 import overbrainer
 from overbrainer import Run
@@ -79,8 +79,8 @@ def test_stop_and_resume_twice_is_bitwise_equal(long_project, tmp_path, referenc
     cli("bake", str(long_project.plan_path), "--detach", "--runs", str(runs))
     run = Run(runs / "tiny")
     for at in (5, 22):
-        until(lambda at=at: run.progress()["step"] >= at, what=f"step {at}")
-        stop = stop_held(run.folder.root, trainers_of(run.folder.root), run.folder.stop_request)
+        trainers = hold_at_step(run.folder.root, at)
+        stop = stop_held(run.folder.root, trainers, run.folder.stop_request)
         assert "stopped" in stop, stop
         assert run.state == "stopped" and run.status["reason"].startswith("stopped at step")
         step = run.checkpoints()[-1]

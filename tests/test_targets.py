@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import cli, held, stop_held, trainers_of
+from helpers import cli, cli_started, held, hold_at_step, release, stop_held
 
 STEPS = 24  # long enough (about 8 s of training) for a stop to arrive in the middle
 FINAL = f"checkpoints/step-{STEPS:06d}/adapter_model.safetensors"
@@ -185,8 +185,7 @@ def test_export_stopped_there_resumes_from_its_checkpoint(plan, reference, tmp_p
     job = unpack(bundle, tmp_path / "first")
     proc = subprocess.Popen([sys.executable, "run.py"], cwd=job, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    wait_for(lambda: len(metric_steps(job / "run" / "metrics.jsonl")) >= 2)
-    with held(wait_for(lambda: trainers_of(job / "run"))):  # still, until the stop is there
+    with held(hold_at_step(job / "run", 2)):  # still at step 2, until the stop is there
         subprocess.run([sys.executable, "run.py", "stop"], cwd=job, check=True, capture_output=True)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
@@ -509,12 +508,16 @@ def test_ssh_stop_there_then_resume(plan, reference, over_ssh):
     plan_path = set_where(plan, over_ssh)
     folder = Path(os.environ["OVERBRAINER_RUNS"]) / "tiny"
     cli("bake", str(plan_path), "--detach", env={"HF_TOKEN": SECRET})
-    # the job's metrics come here while it runs: run.json's step moves
-    wait_for(lambda: (json.loads((folder / "run.json").read_text()).get("step") or 0) >= 2)
-    assert len(metric_steps(folder / "metrics.jsonl")) >= 2
-    (job,) = (Path(over_ssh["workdir"]) / "runs").iterdir()
-    # the trainer there (this machine) is held until the stop has travelled to it
-    stopped = stop_held(folder, wait_for(lambda: trainers_of(job / "run")), job / "run" / "stop", "--timeout", "300")
+    (job,) = wait_for(lambda: list((Path(over_ssh["workdir"]) / "runs").glob("tiny-*")))
+    # the trainer there (this machine) is held at step 2 until the stop has travelled to it
+    trainers = hold_at_step(job / "run", 2)
+    try:
+        # the job's metrics come here while it runs: run.json's step moves
+        wait_for(lambda: (json.loads((folder / "run.json").read_text()).get("step") or 0) >= 2)
+        assert len(metric_steps(folder / "metrics.jsonl")) >= 2
+        stopped = stop_held(folder, trainers, job / "run" / "stop", "--timeout", "300")
+    finally:
+        release(trainers)
     assert "stopped" in stopped, stopped
     assert json.loads((job / "end.json").read_text())["stopped"] is True
     step = json.loads((folder / "stopped.json").read_text())["step"]  # brought back
@@ -582,14 +585,25 @@ def test_ssh_bake_killed_here_takes_up_the_job_there(plan, reference, over_ssh, 
     plan_path = set_where(plan, over_ssh)
     folder = Path(os.environ["OVERBRAINER_RUNS"]) / "tiny"
     cli("bake", str(plan_path), "--detach")
-    wait_for(lambda: (json.loads((folder / "run.json").read_text()).get("step") or 0) >= 1)
-    os.kill(json.loads((folder / "run.json").read_text())["process"]["pid"], signal.SIGKILL)
-    (job,) = (Path(over_ssh["workdir"]) / "runs").iterdir()
-    assert not (job / "end.json").exists()  # the job goes on there without the bake
-    if there == "ended":
-        wait_for(lambda: (job / "end.json").exists(), timeout=300)
-
-    done = bake(plan_path)
+    (job,) = wait_for(lambda: list((Path(over_ssh["workdir"]) / "runs").glob("tiny-*")))
+    trainers = hold_at_step(job / "run", 1)  # still there while the bake here is killed
+    try:
+        wait_for(lambda: (json.loads((folder / "run.json").read_text()).get("step") or 0) >= 1)
+        os.kill(json.loads((folder / "run.json").read_text())["process"]["pid"], signal.SIGKILL)
+        assert not (job / "end.json").exists()  # the job goes on there without the bake
+        if there == "ended":
+            release(trainers)
+            wait_for(lambda: (job / "end.json").exists(), timeout=300)
+            done = bake(plan_path)
+        else:  # the next bake finds it running, and follows it
+            again = cli_started("bake", str(plan_path), "--json")
+            wait_for(lambda: "following the job already running" in (folder / "log.txt").read_text())
+            release(trainers)
+            out, err = again.communicate(timeout=600)
+            assert again.returncode == 0, err
+            done = json.loads(out.strip().splitlines()[-1])
+    finally:
+        release(trainers)
     assert done["state"] == "done", done
     said = {"running": "following the job already running", "ended": "had ended well: its artifacts are back"}
     assert said[there] in (folder / "log.txt").read_text()
