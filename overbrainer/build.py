@@ -61,7 +61,8 @@ class Bake:
     def validate(self) -> None:
         """The plan as its models, for a step about to run work (see ``remembered``)."""
         if not hasattr(self.plan, "model_copy"):
-            self.plan = validated(self.plan_path)
+            # from the bytes the checks were made on, not the file as it may be now
+            self.plan = validated(self.plan_path, self.plan_bytes)
 
     def say(self, message: str) -> None:
         if not self.quiet:
