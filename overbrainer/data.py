@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass
 from json.encoder import encode_basestring as _encode
 from pathlib import Path
 
+import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -133,6 +134,12 @@ def conversation_id(messages: list[dict]) -> str:
     key order. It is built here from json's own string encoder, the one ``json.dumps``
     uses, which gives the same text twice as fast.
     """
+    try:
+        # orjson writes these lists byte for byte as json.dumps above does (every code point
+        # checked), three times faster; a lone surrogate it refuses takes the path below
+        return hash_bytes(orjson.dumps(messages))[:32]
+    except TypeError:
+        pass
     canonical = ",".join([f"{_OPEN[m['role']]}{_encode(m['content'])}}}" for m in messages])
     return hash_bytes(f"[{canonical}]".encode())[:32]
 
@@ -248,6 +255,14 @@ def _json_rows(path: Path, name: str) -> Iterator[tuple[int, object]]:
             for number, raw in enumerate(f, 1):
                 if not raw.strip():
                     continue
+                try:
+                    # orjson parses what json.loads parses, to the same values, faster; what
+                    # it refuses (bad UTF-8, bad JSON, NaN, huge integers, lone surrogates)
+                    # goes the way below, which parses it or says what is wrong as json does
+                    yield number, orjson.loads(raw.removeprefix(b"\xef\xbb\xbf") if number == 1 else raw)
+                    continue
+                except orjson.JSONDecodeError:
+                    pass
                 try:
                     text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
                 except UnicodeDecodeError as error:

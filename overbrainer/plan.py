@@ -235,7 +235,8 @@ _FIXES = {
 
 def _describe(err: dict, text: str, shown: str) -> str:
     loc = [str(p) for p in err["loc"] if not _is_union_tag(p)]
-    field = ".".join(loc) or "(plan)"
+    # a key with a newline or another control character is shown quoted: one line per problem
+    field = ".".join(part if part.isprintable() else json.dumps(part) for part in loc) or "(plan)"
     line = _line_of(text, loc)
     where = f"{shown}:{line}: " if line else f"{shown}: "
     kind = err["type"]
