@@ -685,7 +685,15 @@ def _write_rows(
             read = 0
             for number, messages in read_conversations(Path(path), display_name=name):
                 read += 1
-                row_id = conversation_id(messages)
+                try:
+                    row_id = conversation_id(messages)
+                except UnicodeEncodeError:
+                    raise DataError(
+                        name, number,
+                        "the text holds a lone UTF-16 surrogate (an escape such as \\ud800 without its pair), "
+                        "which is not Unicode text",
+                        "remove it, or write the character it was meant to be",
+                    ) from None
                 if row_id in seen:
                     duplicates += 1
                     continue

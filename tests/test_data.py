@@ -664,3 +664,37 @@ def test_property_rows_are_the_distinct_conversations(rows, validation, seed):
 def test_property_the_id_is_blake3_of_the_canonical_json(turns):
     messages = [{"role": r, "content": c} for r, c in turns]
     assert conversation_id(messages) == reference_id(messages)
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["\x00\x08\x1f\x7f", "\u2028\u2029\ufeff", 'quotes " and \\ and /', "😀 é 中"],
+    ids=["control", "separators", "escapes", "non-ascii"],
+)
+def test_the_id_is_the_canonical_json_whichever_encoder_writes_it(content):
+    """orjson writes the id's canonical JSON, byte for byte what json.dumps writes."""
+    messages = [{"role": "user", "content": content}, {"role": "assistant", "content": content[::-1]}]
+    assert conversation_id(messages) == reference_id(messages)
+
+
+def test_orjson_and_json_read_a_line_to_the_same_values(tmp_path):
+    lines = [
+        '{"messages": [{"role": "user", "content": "\\u00e9 \\ud83d\\ude00"}, {"role": "assistant", "content": "ok"}]}',
+        '{"messages": [{"role": "user", "content": "\\ud800"}, {"role": "assistant", "content": "lone"}]}',
+        '{"messages": [{"role": "user", "content": "big"}, {"role": "assistant", "content": "n"}], "n": 123456789012345678901234567890}',
+    ]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\ufeff" + "\n".join(lines) + "\n")
+    read = [messages for _, messages in data.read_conversations(path)]
+    assert read == [json.loads(line)["messages"] for line in lines]
+
+
+def test_a_lone_surrogate_is_a_clear_error(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps(chat(0)) + "\n" + '{"messages": [{"role": "user", "content": "\\ud800"}, '
+                    '{"role": "assistant", "content": "x"}]}\n')
+    out = tmp_path / "run" / "examples.parquet"
+    with pytest.raises(DataError) as e:
+        split_conversations([path], out, validation=0, seed=0, display_names={path: "chats.jsonl"})
+    assert str(e.value).startswith("chats.jsonl:2: the text holds a lone UTF-16 surrogate") and "\n" not in str(e.value)
+    assert not out.exists() and leftovers(out.parent) == []
