@@ -119,8 +119,8 @@ def is_valid(row: dict) -> bool:
 
 
 def worker_overbrainer(src: Path, out: Path) -> dict:
-    from overbrainer.data import split_conversations
     from overbrainer.errors import DataError
+    from overbrainer.inputs.conversations import split_conversations
 
     t = time.perf_counter()
     try:

@@ -62,7 +62,7 @@ def trainer_pids(run: Path) -> list[int]:
     found = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info.get("cmdline") or []
-        if "overbrainer.trainers.loop" in cmd:
+        if "overbrainer.trainers.builtin" in cmd:
             try:
                 if Path(p.cwd()) == run or any(str(run) in c for c in cmd):
                     found.append(p.info["pid"])

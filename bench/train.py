@@ -9,7 +9,7 @@ The same run folder feeds every contender: ``examples.parquet`` written by
 ``overbrainer.steps.config.build_config``, as a bake would write them. Then, each in its own
 process, with ``--threads`` torch threads (OMP_NUM_THREADS too):
 
-- ``builtin``: ``python -m overbrainer.trainers.loop config.yaml``, the real trainer;
+- ``builtin``: ``python -m overbrainer.trainers.builtin config.yaml``, the real trainer;
   its ``metrics.jsonl`` gives cumulative tokens and seconds per step.
 - ``trl``: ``SFTTrainer`` on the **same batches**: the built-in loop's own tokenization
   (``trainers.examples.load_examples``: token ids and assistant-only labels) and data
@@ -65,7 +65,7 @@ def model_folder(name: str) -> Path:
     os.environ.setdefault("OVERBRAINER_CACHE", str(work_dir("cache")))
     if Path(WHEELHOUSE).is_dir():
         os.environ.setdefault("OVERBRAINER_WHEELHOUSE", WHEELHOUSE)
-    from overbrainer.base import materialize, parse_base
+    from overbrainer.inputs.base_model import materialize, parse_base
 
     return materialize(parse_base("smollm2-135m-instruct", Path(".")), log=lambda m: print(m, flush=True))
 
@@ -105,7 +105,7 @@ def prepare(args) -> tuple[Path, dict]:
     """A run folder with examples.parquet and config.yaml, as a bake writes them."""
     from transformers import AutoTokenizer
 
-    from overbrainer.data import split_conversations
+    from overbrainer.inputs.conversations import split_conversations
     from overbrainer.plan import TrainSettings
     from overbrainer.steps.config import build_config, schedule_steps, special_tokens
 
@@ -168,7 +168,7 @@ def run_builtin(run: Path, threads: int) -> dict:
     metrics = run / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     shutil.rmtree(run / "checkpoints", ignore_errors=True)
-    argv = [PY, "-m", "overbrainer.trainers.loop", str(run / "config.yaml")]
+    argv = [PY, "-m", "overbrainer.trainers.builtin", str(run / "config.yaml")]
     cpu: dict[int, float] = {}
     with open(run / "trainer.log", "wb") as log:
         start = time.perf_counter()
@@ -330,7 +330,7 @@ def profile_builtin(run: Path, threads: int, steps: int, torch_profile: bool = T
     shutil.rmtree(run / "checkpoints", ignore_errors=True)
     raw = run / "pyspy.txt"
     proc = subprocess.run([venv_bin("py-spy"), "record", "--format", "raw", "-r", "50", "-o", str(raw), "--",
-                           PY, "-m", "overbrainer.trainers.loop", str(run / "config.yaml")],
+                           PY, "-m", "overbrainer.trainers.builtin", str(run / "config.yaml")],
                           cwd=run, env=thread_env(threads), capture_output=True, text=True)
     if proc.returncode == 0 and raw.exists():
         out.append(summarize_pyspy(raw))

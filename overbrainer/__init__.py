@@ -25,8 +25,8 @@ def bake(plan, wait: bool = False, runs=None, show: bool = True):
     """Bake a plan in its own process and return its `Run` at once (``wait=True``: wait
     for the end, showing progress, and return the baked model). Baking the same plan again
     finds its folder: it follows a running bake, resumes a stopped one, or finds it done."""
-    from ._run import ACTIVE, Run, launch
-    from .build import compile_bake, dry_run
+    from .bake.driver import compile_bake, dry_run
+    from .runs.record import ACTIVE, Run, launch
 
     compiled = compile_bake(plan, runs=runs, quiet=True)
     handle = Run(compiled.folder.root)
@@ -38,25 +38,25 @@ def bake(plan, wait: bool = False, runs=None, show: bool = True):
 
 def run(folder):
     """The run in `folder` (a run folder such as ``runs/demo``)."""
-    from ._run import Run
+    from .runs.record import Run
 
     return Run(folder)
 
 
 def runs(root=None):
     """Every run under the runs folder (``$OVERBRAINER_RUNS`` or ``./runs``)."""
-    from ._run import runs as all_runs
+    from .runs.record import runs as all_runs
 
     return all_runs(root)
 
 
 def __getattr__(name):
     if name == "Run":
-        from ._run import Run
+        from .runs.record import Run
 
         return Run
     if name == "Model":
-        from .models import Model
+        from .chat import Model
 
         return Model
     raise AttributeError(name)

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import PlanError
-from .remembered import default_name
+from .folder import default_name
 
 __all__ = ["Plan", "SplitSettings", "TrainSettings", "Schedule", "BakeSettings", "load_plan"]
 

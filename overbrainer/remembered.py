@@ -25,7 +25,9 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["Remembered", "load", "validated", "default_name", "FILE"]
+from .folder import default_name
+
+__all__ = ["Remembered", "load", "validated", "FILE"]
 
 FILE = ".plan.json"
 _PLAN_CODE = Path(__file__).with_name("plan.py")
@@ -58,12 +60,6 @@ class Remembered:
     def data_files(self) -> list[str]:
         data = self._data["data"]
         return [data] if isinstance(data, str) else list(data)
-
-
-def default_name(path: Path) -> str:
-    """A plan without a name is named after its file."""
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", path.stem).strip("-._") or "plan"
-    return name[:100]
 
 
 def _key(path: Path, raw: bytes) -> str:

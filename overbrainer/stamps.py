@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .fsio import write_atomic
 from .hashing import HashCache, hash_bytes
 
 __all__ = [
@@ -76,21 +77,6 @@ def write_stamp(path: str | os.PathLike, stamp: Stamp) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     stamp.finished = stamp.finished or datetime.now(timezone.utc).isoformat(timespec="seconds")
     write_atomic(path, json.dumps(asdict(stamp), indent=1).encode(), fault="stamp:before-replace")
-
-
-def write_atomic(path: str | os.PathLike, data: bytes, fault: str | None = None) -> None:
-    """Write a file so that readers see the old content or the new, never a torn one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    if fault:
-        from . import faults
-
-        faults.point(fault)
-    os.replace(tmp, path)
 
 
 def manifest(root: str | os.PathLike, entries: list[str], hashes: HashCache) -> list[dict]:

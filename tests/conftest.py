@@ -141,8 +141,8 @@ def smollm2(tmp_path_factory):
     import os
     import time
 
-    from overbrainer.base import materialize, parse_base
     from overbrainer.errors import BaseModelError
+    from overbrainer.inputs.base_model import materialize, parse_base
 
     cache = tmp_path_factory.mktemp("smollm2-cache")
     logs: list[str] = []

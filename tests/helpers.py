@@ -55,7 +55,7 @@ def trainers_of(folder: Path) -> list[psutil.Process]:
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
         try:
-            if "overbrainer.trainers.loop" in cmd and Path(p.cwd()) == Path(folder):
+            if "overbrainer.trainers.builtin" in cmd and Path(p.cwd()) == Path(folder):
                 out.append(p)
         except psutil.Error:
             continue

@@ -21,8 +21,8 @@ import pytest
 import yaml
 from helpers import bake_json, cli
 
-from overbrainer import tools
-from overbrainer.trainers import axolotl_plugin
+from overbrainer.portable import axolotl_plugin, script
+from overbrainer.trainers import axolotl_env as tools
 from overbrainer.trainers.axolotl import JOB_CONFIG, Axolotl, AxolotlConfigError, job_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,11 +37,13 @@ LOSS_TOLERANCE = 1e-3
 
 
 def test_plugin_phase_is_the_built_in_trainers():
-    from overbrainer.trainers.loop import phase_of
+    """One schedule phase for both trainers: the same function, with the WSD boundaries."""
+    from overbrainer.trainers.builtin import loop
 
-    for warmup, stable in [(0, 0), (1, 5), (3, 0), (2, 7)]:
-        for i in range(12):
-            assert axolotl_plugin.phase_of(i, warmup, stable) == phase_of(i, warmup, stable)
+    assert axolotl_plugin.phase_of is loop.phase_of
+    phases = [axolotl_plugin.phase_of(i, 2, 3) for i in range(7)]
+    assert phases == ["warmup", "warmup", "stable", "stable", "stable", "decay", "decay"]
+    assert axolotl_plugin.phase_of(0, 0, 0) == "decay"
 
 
 def test_job_config_reads_each_split_from_its_own_file():
@@ -54,7 +56,7 @@ def test_job_config_reads_each_split_from_its_own_file():
     assert out["datasets"] == [{"path": "axolotl-job/train.parquet", "ds_type": "parquet", "type": "chat_template",
                                 "field_messages": "messages", "roles_to_train": ["assistant"]}]
     assert out["test_datasets"][0]["path"] == "axolotl-job/validation.parquet"
-    assert out["plugins"] == ["axolotl_plugin.OverbrainerPlugin"] and out["auto_resume_from_checkpoints"] is True
+    assert out["plugins"] == ["overbrainer_portable.axolotl_plugin.OverbrainerPlugin"] and out["auto_resume_from_checkpoints"] is True
     assert out["dataset_prepared_path"] == "axolotl-job/prepared/k" and out["logging_steps"] == 1
     assert out["eval_strategy"] == "steps" and out["excess_length_strategy"] == "truncate"
     assert "roles_to_train: &" not in yaml.safe_dump(out)  # no YAML anchors for a person to decode
@@ -94,7 +96,7 @@ def test_a_job_staged_to_run_elsewhere_needs_no_tools_here(tmp_path, monkeypatch
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from overbrainer.data import SCHEMA
+    from overbrainer.inputs.conversations import SCHEMA
 
     monkeypatch.setenv(tools.VENV_ENV, str(tmp_path / "never-built"))
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "arr"}]
@@ -112,7 +114,7 @@ def test_a_job_staged_to_run_elsewhere_needs_no_tools_here(tmp_path, monkeypatch
     job = yaml.safe_load((tmp_path / JOB_CONFIG).read_text())
     assert job["base_model"] == "../base" and job["test_datasets"][0]["path"] == "axolotl-job/validation.parquet"
     assert pq.read_table(tmp_path / "axolotl-job" / "train.parquet").num_rows == 2
-    assert (tmp_path / "axolotl-job" / "axolotl_plugin.py").is_file()
+    assert (tmp_path / "axolotl-job" / "overbrainer_portable" / "axolotl_plugin.py").is_file()
 
 
 def test_several_processes_need_as_many_gpus(tmp_path, monkeypatch):
@@ -177,7 +179,7 @@ def axolotl_project(project, axolotl_venv, monkeypatch):
 
 def configured(project) -> Path:
     """The run folder after the config step (resolve, base, split, config), in this process."""
-    from overbrainer.build import compile_bake, run_bake
+    from overbrainer.bake.driver import compile_bake, run_bake
 
     bake = compile_bake(project.plan_path, quiet=True)
     assert run_bake(bake, "train:config") == 0, bake.error
@@ -187,7 +189,7 @@ def configured(project) -> Path:
 def check(python: Path, config: Path, run_dir: Path) -> subprocess.CompletedProcess:
     """Axolotl's own validation of `config`, in its environment, as the job would see it."""
     return subprocess.run(
-        [str(python), "-I", str(tools.PLUGIN_SOURCE), "check", str(config)],
+        [str(python), *script("axolotl_plugin", "check", str(config))],
         capture_output=True, text=True, cwd=run_dir, timeout=600,
         env={**os.environ, **tools.QUIET_ENV},
     )

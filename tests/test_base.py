@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 from tiny import CHATML, make_tiny_llama
 
-from overbrainer import base
-from overbrainer.base import BaseSpec, cache_root, materialize, parse_base, pin_base
 from overbrainer.errors import BaseModelError
+from overbrainer.folder import cache_root
 from overbrainer.hashing import HashCache, hash_file
+from overbrainer.inputs import base_model as base
+from overbrainer.inputs.base_model import BaseSpec, materialize, parse_base, pin_base
 
 ROOT = Path(__file__).resolve().parent.parent
 _WHEELHOUSE = os.environ.get("OVERBRAINER_WHEELHOUSE")  # read before the fixture hides it

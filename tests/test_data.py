@@ -13,8 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from overbrainer import data
-from overbrainer.data import (
+from overbrainer.errors import DataError
+from overbrainer.inputs import conversations as data
+from overbrainer.inputs.conversations import (
     MESSAGE_TYPE,
     SCHEMA,
     SplitSummary,
@@ -22,7 +23,6 @@ from overbrainer.data import (
     read_conversations,
     split_conversations,
 )
-from overbrainer.errors import DataError
 
 CHAT = [
     {"role": "system", "content": "You are terse."},

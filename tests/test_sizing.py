@@ -9,7 +9,7 @@ import pytest
 from helpers import bake_json, cli
 
 from overbrainer.errors import OverbrainerError
-from overbrainer.sizing import GiB, estimate, fit, model_shape
+from overbrainer.inputs.sizing import GiB, estimate, fit, model_shape
 
 
 @pytest.fixture

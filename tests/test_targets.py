@@ -371,13 +371,17 @@ def test_a_successful_job_with_no_checkpoint_is_recorded_failed_yet_brought_back
 
 
 def test_the_job_script_needs_only_the_standard_library():
-    """run.py runs where overbrainer is not installed: stdlib, blake3, and the hub client
-    only when it downloads a base."""
-    import overbrainer.job as job
+    """run.py runs where overbrainer is not installed: the portable folder it ships with
+    imports the standard library, blake3, and the hub client only when it downloads a base."""
+    import overbrainer.portable as portable
 
-    tree_ = ast.parse(Path(job.__file__).read_text())
-    modules = {a.name.split(".")[0] for n in ast.walk(tree_) if isinstance(n, ast.Import) for a in n.names}
-    modules |= {n.module.split(".")[0] for n in ast.walk(tree_) if isinstance(n, ast.ImportFrom) and n.level == 0}
+    modules = set()
+    for source in portable.FOLDER.glob("*.py"):
+        if source.name == "axolotl_plugin.py":
+            continue  # runs in Axolotl's environment, with Axolotl's packages
+        tree_ = ast.parse(source.read_text())
+        modules |= {a.name.split(".")[0] for n in ast.walk(tree_) if isinstance(n, ast.Import) for a in n.names}
+        modules |= {n.module.split(".")[0] for n in ast.walk(tree_) if isinstance(n, ast.ImportFrom) and n.level == 0}
     assert modules - set(sys.stdlib_module_names) == {"blake3", "huggingface_hub"}
 
 
@@ -386,7 +390,7 @@ def test_a_hub_base_is_downloaded_by_the_job_at_its_commit_and_checked(tiny_mode
     stand-in for huggingface_hub, no network) and checks every file before training."""
     import types
 
-    import overbrainer.job as job
+    import overbrainer.portable.runner as job
     from overbrainer.hashing import hash_file
 
     files = [{"path": p.name, "size": p.stat().st_size, "hash": hash_file(p)} for p in sorted(tiny_model.iterdir())]
@@ -557,8 +561,8 @@ def test_ssh_tools_are_made_once_there(over_ssh, monkeypatch, tmp_path):
     """Without OVERBRAINER_REMOTE_PYTHON the job's Python is a venv made under tools/ with
     what OVERBRAINER_REMOTE_INSTALL names (the trainer's requirements by default), once."""
     from overbrainer.plan import SSHTarget
-    from overbrainer.targets import SSH
     from overbrainer.trainers.builtin import Builtin
+    from overbrainer.where import SSH
 
     monkeypatch.delenv("OVERBRAINER_REMOTE_PYTHON")
     monkeypatch.setenv("OVERBRAINER_REMOTE_INSTALL", f"--no-index {_wheel(tmp_path)}")

@@ -17,12 +17,12 @@ import json
 import shutil
 from typing import TYPE_CHECKING
 
+from ..fsio import replace_folder
 from ..stamps import outputs_digest
 from . import Outputs, upstream
-from .merge import replace_folder
 
 if TYPE_CHECKING:
-    from ..build import Bake
+    from ..bake.driver import Bake
 
 NAME = "bake"
 VERSION = 2

@@ -11,11 +11,12 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..stamps import outputs_digest, write_atomic
+from ..fsio import write_atomic
+from ..stamps import outputs_digest
 from . import Outputs, upstream
 
 if TYPE_CHECKING:
-    from ..build import Bake
+    from ..bake.driver import Bake
     from ..plan import TrainSettings
 
 NAME = "config"
@@ -124,7 +125,7 @@ def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: di
 
 def size(train: TrainSettings, base_folder: Path):
     """The memory estimate for this plan on this machine, with the micro-batch that fits."""
-    from ..sizing import fit, model_shape
+    from ..inputs.sizing import fit, model_shape
 
     return fit(
         model_shape(base_folder),

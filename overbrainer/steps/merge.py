@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..fsio import replace_folder
 from ..stamps import outputs_digest
 from . import Outputs, upstream
 
 if TYPE_CHECKING:
-    from ..build import Bake
+    from ..bake.driver import Bake
 
 NAME = "merge"
 VERSION = 1
@@ -81,24 +81,3 @@ def merge_into(base_folder: Path, checkpoint: Path, dest: Path, special_tokens: 
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     replace_folder(tmp, dest, fault="merge:before-rename")
-
-
-def replace_folder(new: Path, dest: Path, fault: str | None = None) -> None:
-    """Put folder `new` at `dest`: the old one is renamed away first, then removed, so that
-    `dest` is at every moment absent or complete."""
-    for p in new.iterdir():
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    if fault:
-        from .. import faults
-
-        faults.point(fault)
-    old = dest.with_name(f".old-{dest.name}")
-    if dest.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dest, old)
-    os.replace(new, dest)
-    shutil.rmtree(old, ignore_errors=True)

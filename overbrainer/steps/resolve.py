@@ -6,12 +6,12 @@ import json
 from typing import TYPE_CHECKING
 
 from .. import __version__
-from ..base import pin_base
-from ..stamps import write_atomic
+from ..fsio import write_atomic
+from ..inputs.base_model import pin_base
 from . import Outputs
 
 if TYPE_CHECKING:
-    from ..build import Bake
+    from ..bake.driver import Bake
 
 NAME = "resolve"
 VERSION = 1

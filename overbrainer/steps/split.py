@@ -8,7 +8,7 @@ from . import Outputs
 from .resolve import data_pins
 
 if TYPE_CHECKING:
-    from ..build import Bake
+    from ..bake.driver import Bake
 
 NAME = "split"
 VERSION = 1
@@ -20,7 +20,7 @@ def inputs(bake: Bake) -> dict:
 
 
 def run(bake: Bake, inputs: dict) -> Outputs:
-    from ..data import split_conversations  # pyarrow: only when there is work
+    from ..inputs.conversations import split_conversations  # pyarrow: only when there is work
 
     names = {p: bake.shown(p) for p in bake.data_paths}
     summary = split_conversations(

@@ -18,7 +18,7 @@ from ..trainers import checkpoint as ckpt
 from . import NotReady, Outputs, upstream
 
 if TYPE_CHECKING:
-    from ..build import Bake
+    from ..bake.driver import Bake
 
 NAME = "train"
 VERSION = 1
@@ -102,9 +102,9 @@ def set_aside_other_runs(run_dir: Path, checkpoints: Path, fp: str) -> None:
 
 def launch(bake: Bake, fp: str, max_steps: int) -> int:
     """Run the trainer's job where the plan says, printing its metric lines as they come."""
-    from ..targets import target_for
     from ..trainers import NoTrainingData, get_trainer
-    from ..transfer import Base
+    from ..where import target_for
+    from ..where.bundle import Base
 
     folder = bake.folder
     trainer = get_trainer(bake.plan.train.trainer, processes=bake.plan.train.processes)

@@ -11,7 +11,7 @@ The run folder of an Axolotl run is the built-in trainer's, plus ``axolotl-job/`
                                 save/eval strategies and dataset_prepared_path
         train.parquet           examples.parquet's train rows (id, messages)
         validation.parquet      its validation rows; absent when there are none (no eval)
-        axolotl_plugin.py       trainers/axolotl_plugin.py: metrics, sidecars, the stop
+        overbrainer_portable/   portable/ as shipped: the plugin (metrics, sidecars, the stop)
         prepared/<key>/         Axolotl's tokenized datasets, keyed by data and config
         merged/                 merge-lora's output; the merge step moves it to merged/
     checkpoints/checkpoint-N/   Hugging Face Trainer checkpoints (adapter, optimizer,
@@ -54,6 +54,8 @@ from pathlib import Path
 import yaml
 
 from ..errors import OverbrainerError
+from ..fsio import replace_folder, write_atomic
+from ..portable import SHIPPED, ship
 from .protocol import STAGE_MERGE, STAGE_TRAIN, Artifacts, NoTrainingData
 
 CONFIG = "config.yaml"
@@ -63,8 +65,7 @@ STOPPED = "stopped.json"
 JOB_DIR = "axolotl-job"
 JOB_CONFIG = f"{JOB_DIR}/config.yaml"
 MERGED_DIR = f"{JOB_DIR}/merged"
-PLUGIN_FILE = "axolotl_plugin.py"
-PLUGIN_CLASS = "axolotl_plugin.OverbrainerPlugin"
+PLUGIN_CLASS = f"{SHIPPED}.axolotl_plugin.OverbrainerPlugin"
 META = "meta.json"
 ERROR_FILE = "trainer-error.txt"  # one line the plugin writes when it refuses the config
 
@@ -86,8 +87,8 @@ class Axolotl:
     # -- the job's files ------------------------------------------------------------------
 
     def prepare(self, run_dir: Path, root: str) -> None:
-        from .. import tools
-        from .axolotl_plugin import unknown_keys
+        from ..portable.axolotl_plugin import unknown_keys
+        from . import axolotl_env as tools
 
         run_dir = Path(run_dir)
         self.here = Path(root) == run_dir.absolute()
@@ -122,8 +123,8 @@ class Axolotl:
                 + (f" ({len(unknown) - 1} more: {', '.join(unknown[1:4])})" if len(unknown) > 1 else "")
             )
 
-        shutil.copyfile(Path(__file__).with_name(PLUGIN_FILE), job / PLUGIN_FILE)
-        _write_text(job / "config.yaml", "# written by overbrainer from ../config.yaml before each job\n"
+        ship(job)
+        write_atomic(job / "config.yaml", "# written by overbrainer from ../config.yaml before each job\n"
                     + yaml.safe_dump(job_cfg, sort_keys=False))
         _remove_stale(run_dir, job, job_cfg["dataset_prepared_path"])
         for said in (STOPPED, ERROR_FILE):
@@ -132,7 +133,7 @@ class Axolotl:
     # -- how the job runs -----------------------------------------------------------------
 
     def commands(self) -> list[list[str]]:
-        from .. import tools
+        from . import axolotl_env as tools
 
         python = str(tools.axolotl_python()) if self.here else "python"
         if self.processes > 1:
@@ -152,8 +153,8 @@ class Axolotl:
     def env(self, root: str) -> dict[str, str]:
         import os
 
-        from .. import tools
-        from .axolotl_plugin import RUN_DIR_ENV
+        from ..portable.axolotl_plugin import RUN_DIR_ENV
+        from . import axolotl_env as tools
 
         env = {
             **tools.QUIET_ENV,
@@ -226,7 +227,6 @@ def adopt_merged(run_dir: Path, checkpoint: Path, dest: Path, special_tokens: di
     from transformers import AutoTokenizer, GenerationConfig
     from transformers.utils import logging
 
-    from ..steps.merge import replace_folder
 
     merged = Path(run_dir) / MERGED_DIR
     try:
@@ -243,7 +243,7 @@ def adopt_merged(run_dir: Path, checkpoint: Path, dest: Path, special_tokens: di
     tokenizer.save_pretrained(merged)
     config = json.loads((merged / "config.json").read_text())
     config.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    _write_text(merged / "config.json", json.dumps(config, indent=2) + "\n")
+    write_atomic(merged / "config.json", json.dumps(config, indent=2) + "\n")
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(merged)
     replace_folder(merged, dest)
     return True
@@ -291,12 +291,6 @@ def _remove_stale(run_dir: Path, job: Path, prepared: str) -> None:
         for p in (job / "prepared").iterdir():
             if p.name != keep:
                 shutil.rmtree(p, ignore_errors=True)
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def _say(message: str) -> None:

@@ -25,8 +25,9 @@ import os
 import shutil
 from pathlib import Path
 
-from .. import faults
+from ..fsio import fsync_dir, fsync_tree
 from ..hashing import hash_file
+from ..portable import faults
 
 META = "meta.json"
 STATE = "trainer_state.pt"
@@ -123,13 +124,13 @@ def save(checkpoints: Path, step: int, model, optimizer, scheduler, meta: dict) 
     # later (a disk fault, a bad copy) is found out before it is resumed from
     meta = {**meta, "files": {p.name: hash_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}}
     (tmp / META).write_text(json.dumps(meta, indent=1))
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     faults.point("checkpoint:before-rename")
     if final.exists():
         # only a rerun of the very same step can meet its own folder: the new one replaces it
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(checkpoints)
+    fsync_dir(checkpoints)
     return final
 
 
@@ -157,22 +158,3 @@ def load_state(folder: Path) -> dict:
     import torch
 
     return torch.load(folder / STATE, weights_only=True, map_location="cpu")
-
-
-def _fsync_tree(folder: Path) -> None:
-    for p in folder.iterdir():
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

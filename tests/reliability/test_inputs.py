@@ -14,8 +14,8 @@ from helpers import bake_json, cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from overbrainer.data import split_conversations
 from overbrainer.errors import DataError, PlanError
+from overbrainer.inputs.conversations import split_conversations
 from overbrainer.plan import load_plan
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

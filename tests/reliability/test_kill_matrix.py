@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from overbrainer.build import compile_bake
-from overbrainer.graph import STEPS
+from overbrainer.bake.driver import compile_bake
+from overbrainer.bake.graph import STEPS
 from overbrainer.stamps import read_stamp
 from overbrainer.steps import check
 from overbrainer.trainers import checkpoint as ckpt

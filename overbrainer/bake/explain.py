@@ -26,12 +26,12 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from .errors import OverbrainerError
+from ..errors import OverbrainerError
+from ..stamps import input_changes, read_stamp, short
 from .graph import DEPS, STEPS, downstream
-from .stamps import input_changes, read_stamp, short
 
 if TYPE_CHECKING:
-    from .build import Bake
+    from .driver import Bake
 
 __all__ = ["StepState", "STATUSES", "FORMATS", "steps", "survey", "why", "why_text", "render", "as_json"]
 
@@ -66,7 +66,7 @@ def steps() -> list[StepState]:
 
 def survey(bake: Bake) -> list[StepState]:
     """Each step with its status and why, from the stamps and run.json."""
-    from .build import dry_run
+    from .driver import dry_run
 
     rows = {row["step"]: row for row in dry_run(bake)}
     current = _in_progress(bake)
@@ -90,7 +90,7 @@ def _in_progress(bake: Bake) -> str | None:
     """The step a live bake of this folder is doing now, if one is under way."""
     if not bake.folder.run_json.exists():
         return None
-    from ._run import ACTIVE, Run
+    from ..runs.record import ACTIVE, Run
 
     status = Run(bake.folder.root).status  # a process that died is not shown as running
     if status.get("state") not in ACTIVE:
@@ -152,8 +152,8 @@ def _before(name: str) -> set[str]:
 
 def _changes(bake: Bake, name: str) -> list[dict]:
     """What differs between a step's stamp and now: its code, its inputs, its outputs."""
+    from ..steps import NotReady
     from .graph import step as step_module
-    from .steps import NotReady
 
     module = step_module(name)
     stamp = read_stamp(bake.folder.stamp(name))

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import OverbrainerError
+from ..errors import OverbrainerError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_bake(args) -> int:
-    from .build import compile_bake, dry_run
+    from ..bake.driver import compile_bake, dry_run
 
     out = sys.stderr if args.json else sys.stdout
     bake = compile_bake(args.plan, runs=args.runs, out=out, quiet=args.quiet)
@@ -132,7 +132,7 @@ def cmd_bake(args) -> int:
     if args.check:
         return _bake_check(bake, report, args.json, out)
     if args.dry_run:
-        from .build import memory_estimate
+        from ..bake.driver import memory_estimate
 
         rows = dry_run(bake)
         for row in rows:
@@ -152,7 +152,7 @@ def cmd_bake(args) -> int:
 
 def _bake_check(bake, report: dict, as_json: bool, out) -> int:
     """``bake --check``: like ``make -q``, the exit code says whether anything would run."""
-    from .build import would_run
+    from ..bake.driver import would_run
 
     rows = would_run(bake)
     for row in rows:
@@ -169,7 +169,7 @@ def _bake_here(bake, report: dict, as_json: bool, out) -> int:
     a second Ctrl-C abandons at once."""
     import signal
 
-    from .build import run_bake
+    from ..bake.driver import run_bake
 
     asked = []
 
@@ -191,9 +191,9 @@ def _bake_here(bake, report: dict, as_json: bool, out) -> int:
 
 
 def _bake_detached(bake, report: dict, args, out) -> int:
-    from ._run import ACTIVE, Run, launch
-    from .build import dry_run
-    from .follow import follow
+    from ..bake.driver import dry_run
+    from ..runs.follow import follow
+    from ..runs.record import ACTIVE, Run, launch
 
     run = Run(bake.folder.root)
     if run.state in ACTIVE:
@@ -227,7 +227,7 @@ def _bake_detached(bake, report: dict, args, out) -> int:
 
 def _finish(folder: Path, report: dict, as_json: bool, out, quiet: bool) -> int:
     """Tell how the last bake of `folder` ended, from its run.json; the exit code."""
-    from ._run import Run
+    from ..runs.record import Run
 
     status = Run(folder).status
     result = status.get("result") or {}
@@ -277,8 +277,8 @@ def _shown(path: Path) -> str:
 
 
 def cmd_graph(args) -> int:
-    from . import explain
-    from .build import compile_bake
+    from ..bake import explain
+    from ..bake.driver import compile_bake
 
     bake = compile_bake(args.plan, runs=args.runs, quiet=True)
     states = explain.steps() if args.no_status else explain.survey(bake)
@@ -293,8 +293,8 @@ def cmd_graph(args) -> int:
 def cmd_why(args) -> int:
     from dataclasses import asdict
 
-    from . import explain
-    from .build import compile_bake
+    from ..bake import explain
+    from ..bake.driver import compile_bake
 
     bake = compile_bake(args.plan, runs=args.runs, quiet=True)
     states = explain.why(bake, args.step)
@@ -311,12 +311,12 @@ def cmd_why(args) -> int:
 
 def _run(value: str, runs: str | None):
     """A run from a folder, a run name, or the plan that names it."""
-    from ._run import Run
-    from .layout import runs_root
+    from ..folder import runs_root
+    from ..runs.record import Run
 
     path = Path(value)
     if path.is_file() and path.suffix == ".json":
-        from .remembered import load
+        from ..remembered import load
 
         root = Path(runs).absolute() if runs else runs_root()
         return Run(root / load(path.absolute(), root)[0].name)
@@ -329,8 +329,8 @@ def _run(value: str, runs: str | None):
 
 
 def cmd_status(args) -> int:
-    from ._run import runs
-    from .follow import describe
+    from ..runs.follow import describe
+    from ..runs.record import runs
 
     targets = [_run(args.run, args.runs)] if args.run else runs(args.runs)
     rows = []
@@ -356,7 +356,7 @@ def cmd_runs(args) -> int:
 
 
 def cmd_import(args) -> int:
-    from .transfer import import_result
+    from ..where.bundle import import_result
 
     run = _run(args.run, args.runs)
     done = import_result(run.folder.root, Path(args.result), shown=_shown)
@@ -388,7 +388,7 @@ def cmd_stop(args) -> int:
 
 
 def cmd_resume(args) -> int:
-    from .follow import follow
+    from ..runs.follow import follow
 
     run = _run(args.run, args.runs)
     if run.state == "done":
@@ -403,7 +403,7 @@ def cmd_resume(args) -> int:
 
 
 def cmd_wait(args) -> int:
-    from .follow import follow
+    from ..runs.follow import follow
 
     run = _run(args.run, args.runs)
     follow(run)
@@ -440,7 +440,7 @@ def _cell(value) -> str:
 def cmd_log(args) -> int:
     import time
 
-    from ._run import ACTIVE
+    from ..runs.record import ACTIVE
 
     run = _run(args.run, args.runs)
     text = run.log(args.lines)
@@ -466,7 +466,7 @@ def cmd_log(args) -> int:
 
 
 def cmd_checkpoints(args) -> int:
-    from .trainers import checkpoint as ckpt
+    from ..trainers import checkpoint as ckpt
 
     run = _run(args.run, args.runs)
     rows = []
@@ -488,7 +488,7 @@ def cmd_checkpoints(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from .models import Model
+    from ..chat import Model
 
     run = _run(args.run, args.runs)
     folder = run.folder.root

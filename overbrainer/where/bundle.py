@@ -56,12 +56,13 @@ from pathlib import Path
 
 import yaml
 
-from . import __version__
-from . import job as jobfile
-from .errors import OverbrainerError, RunStateError
-from .hashing import HashCache, hash_file
-from .layout import RunFolder
-from .stamps import write_atomic
+from .. import __version__
+from ..errors import OverbrainerError, RunStateError
+from ..folder import RunFolder
+from ..hashing import HashCache, hash_file
+from ..portable import launcher, ship
+from ..portable import runner as jobfile
+from ..stamps import write_atomic
 
 __all__ = [
     "Base", "Staged", "Received", "ImportRefused",
@@ -101,7 +102,7 @@ class Base:
     @classmethod
     def from_stamp(cls, stamp) -> Base:
         """From the base step's stamp (its outputs are the model's files)."""
-        from .stamps import outputs_digest
+        from ..stamps import outputs_digest
 
         folder = Path(stamp.summary["folder"])
         files = [{k: e[k] for k in ("path", "size", "hash")} for e in stamp.outputs if e["path"] != SOURCE_FILE]
@@ -134,7 +135,7 @@ def requirements(trainer) -> list[str]:
 def _newest_checkpoint(folder: Path) -> Path | None:
     """The newest whole checkpoint (what the trainer resumes from), by the trainers' own
     layout (``step-N``/``checkpoint-N`` with its meta.json); a damaged one is not sent."""
-    from .trainers import checkpoint as ckpt
+    from ..trainers import checkpoint as ckpt
 
     for _, path in reversed(ckpt.complete(folder)):
         if ckpt.intact(path):
@@ -147,7 +148,7 @@ def stage_job(trainer, run_dir: Path, fingerprint: str, base: Base, root: str, h
     """Write a job folder's small files into `home` (emptied first) and list what it sends.
     `root` is the run folder's path as the job will see it (what prepare() and env() may
     name); `carry_base` puts the base model in the job's base/."""
-    from .trainers import NoTrainingData
+    from ..trainers import NoTrainingData
 
     run_dir = Path(run_dir)
     shutil.rmtree(home, ignore_errors=True)
@@ -184,7 +185,8 @@ def stage_job(trainer, run_dir: Path, fingerprint: str, base: Base, root: str, h
         "base": {"pin": base.pin, "files": base.files, "hub": base.hub, "carried": carry_base},
     }
     (home / "job.json").write_text(json.dumps(job, indent=1) + "\n")
-    shutil.copyfile(Path(jobfile.__file__), home / "run.py")
+    ship(home)  # the runner and its helpers: overbrainer_portable/
+    (home / "run.py").write_text(launcher("runner", "Run this overbrainer job: python3 run.py [--base PATH] (see README.txt)."))
     (home / "run.sh").write_text('#!/bin/sh\n# run the job with $PYTHON (default python3): sh run.sh [--base PATH]\n'
                                  'exec "${PYTHON:-python3}" "$(dirname "$0")/run.py" "$@"\n')
     (home / "README.txt").write_text(_readme(job, carry_base))
@@ -521,7 +523,7 @@ class Imported:
 def import_result(run_root: Path, archive: Path, shown: Callable[[Path], str] = str) -> Imported:
     """`overbrainer import RUN RESULT`: bring an exported job's result into its run folder,
     and leave a record the next bake takes up (train goes on from what came back)."""
-    from ._run import Run
+    from ..runs.record import Run
 
     folder = RunFolder(Path(run_root).absolute())
     archive = Path(archive)

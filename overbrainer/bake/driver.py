@@ -14,16 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from .base import BaseSpec, parse_base
-from .errors import OverbrainerError, RunStateError
-from .hashing import HashCache
-from .layout import RunFolder, runs_root
-from .remembered import load as load_plan
-from .remembered import remember, validated
+from ..errors import OverbrainerError, RunStateError
+from ..folder import RunFolder, runs_root
+from ..hashing import HashCache
+from ..inputs.base_model import BaseSpec, parse_base
+from ..remembered import load as load_plan
+from ..remembered import remember, validated
 
 if TYPE_CHECKING:
-    from .plan import Plan
-    from .remembered import Remembered
+    from ..plan import Plan
+    from ..remembered import Remembered
 
 __all__ = ["Bake", "compile_bake", "run_bake", "dry_run", "would_run", "doit_config"]
 
@@ -123,7 +123,7 @@ def run_bake(bake: Bake, task: str = "train") -> int:
     from doit.cmd_base import ModuleTaskLoader
     from doit.doit_cmd import DoitMain
 
-    from ._run import Run
+    from ..runs.record import Run
     from .graph import doit_tasks
 
     bake.folder.root.mkdir(parents=True, exist_ok=True)
@@ -134,7 +134,7 @@ def run_bake(bake: Bake, task: str = "train") -> int:
         attempts = record._read().get("attempts", [])
         attempt = {"start": _now(), "pid": os.getpid()}
         bake.folder.stop_request.unlink(missing_ok=True)
-        from ._run import this_process
+        from ..runs.record import this_process
 
         record.update(
             state="starting", where="here", plan_file=str(bake.plan_path), process=this_process(),
@@ -163,7 +163,7 @@ def run_bake(bake: Bake, task: str = "train") -> int:
 
 def outcome(error: BaseException | None) -> tuple[str, str | None, str | None]:
     """The run state an error ends a bake in, its reason, and its kind (input or run)."""
-    from .errors import RunStopped
+    from ..errors import RunStopped
 
     if error is None:
         return "done", None, None
@@ -177,7 +177,7 @@ def outcome(error: BaseException | None) -> tuple[str, str | None, str | None]:
 
 
 def _now() -> str:
-    from ._run import now
+    from ..runs.record import now
 
     return now()
 
@@ -185,8 +185,8 @@ def _now() -> str:
 def dry_run(bake: Bake) -> list[dict]:
     """Each step, whether it would run, and why: nothing is run, and nothing written but
     the hash cache (a file whose mtime changed is hashed here once, not on every check)."""
+    from ..steps import check
     from .graph import DEPS, STEPS
-    from .steps import check
 
     rows, will_run = [], set()
     for module in STEPS:
@@ -214,8 +214,8 @@ def would_run(bake: Bake) -> list[dict]:
 
 def memory_estimate(bake: Bake):
     """The sizing estimate (sizing.Estimate) when the base model is already local, else None."""
-    from .stamps import read_stamp
-    from .steps.config import size
+    from ..stamps import read_stamp
+    from ..steps.config import size
 
     stamp = read_stamp(bake.folder.stamp("base"))
     folder = Path(stamp.summary["folder"]) if stamp else (Path(bake.base.location) if bake.base.kind == "folder" else None)

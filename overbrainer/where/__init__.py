@@ -43,37 +43,23 @@ import shlex
 import shutil
 import stat
 import subprocess
-import sys
 import tarfile
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import OverbrainerError, RunFailed, RunStopped
-from .trainers.protocol import Trainer
+from ..errors import OverbrainerError, RunFailed, RunStopped
+from ..portable.common import now, run_commands, write_atomic
+from ..trainers.protocol import Trainer
 
 if TYPE_CHECKING:
-    from .hashing import HashCache
-    from .plan import SSHTarget
-    from .transfer import Base
+    from ..hashing import HashCache
+    from ..plan import SSHTarget
+    from .bundle import Base
 
-__all__ = ["Here", "Export", "SSH", "Exported", "target_for", "NO_METRICS_EXIT"]
-
-NO_METRICS_EXIT = 86  # the job ended well but wrote no metric line
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def has_metric_line(path: Path) -> bool:
-    try:
-        return any('"step"' in line for line in path.read_text().splitlines())
-    except OSError:
-        return False
+__all__ = ["Here", "Export", "SSH", "Exported", "target_for"]
 
 
 class Here:
@@ -82,63 +68,16 @@ class Here:
     name = "here"
     where = "here"
 
-    def resolve(self, command: list[str]) -> list[str]:
-        program, *args = command
-        if program == "python":
-            return [sys.executable, *args]
-        return [program, *args]
-
     def run(self, trainer: Trainer, run_dir: Path, env: dict[str, str], log: Path,
             poll: Callable[[], None] = lambda: None) -> int:
         """Run every command of the job; the first non-zero exit code, or 0."""
         root = str(run_dir)
         trainer.prepare(run_dir, root)
-        full_env = {**os.environ, **trainer.env(root), **env}
-        metrics = run_dir / trainer.metrics_file()
-        marker = trainer.stop_marker()
-        stages = trainer.stages()
-        for i, command in enumerate(trainer.commands()):
-            if i > 0 and marker and (run_dir / marker).exists():
-                break  # stopped early with a snapshot: nothing after training runs
-            if stages:
-                with open(metrics, "a") as f:
-                    f.write(json.dumps({"stage": stages[i], "time": _now()}) + "\n")
-            code = self._run_one(self.resolve(command), run_dir, full_env, log, poll)
-            if code != 0:
-                return code
-        if trainer.metrics_required() and not (marker and (run_dir / marker).exists()) and not has_metric_line(metrics):
-            with open(log, "a") as f:
-                f.write("the job ended without writing a metric line: its metrics plugin did not load\n")
-            return NO_METRICS_EXIT
-        return 0
-
-    def _run_one(self, command: list[str], cwd: Path, env: dict, log: Path, poll: Callable[[], None]) -> int:
-        with open(log, "ab") as out:
-            out.write(f"--- {_now()} {' '.join(command)}\n".encode())
-            out.flush()
-            proc = subprocess.Popen(
-                command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-            )
-            while True:
-                code = proc.poll()
-                poll()
-                if code is not None:
-                    return code
-                time.sleep(0.2)
-
-
-def _die_with_parent() -> None:
-    """Linux: the job gets SIGKILL when the process that started it dies, so that a killed
-    bake never leaves a trainer writing the run folder behind it."""
-    try:
-        import ctypes
-        import signal
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+        return run_commands(
+            trainer.commands(), run_dir, {**os.environ, **trainer.env(root), **env}, log,
+            metrics_file=trainer.metrics_file(), stages=trainer.stages(), stop_marker=trainer.stop_marker(),
+            metrics_required=trainer.metrics_required(), poll=poll,
+        )
 
 
 def _log_tail(path: Path, lines: int = 15) -> str:
@@ -149,7 +88,7 @@ def _log_tail(path: Path, lines: int = 15) -> str:
 
 
 def _fingerprint(env: dict[str, str]) -> str:
-    from .transfer import FINGERPRINT_ENV
+    from .bundle import FINGERPRINT_ENV
 
     return env[FINGERPRINT_ENV]
 
@@ -180,7 +119,7 @@ class Export:
 
     def run(self, trainer: Trainer, run_dir: Path, env: dict[str, str], log: Path,
             poll: Callable[[], None] = lambda: None) -> int:
-        from . import transfer
+        from . import bundle as transfer
 
         fp = _fingerprint(env)
         record = transfer.take_import(run_dir, fp)
@@ -313,7 +252,7 @@ class SSH:
         """Say it, and write it in the run's log (a detached bake says nothing)."""
         self.say(f"train: {message}")
         with open(log, "a") as f:
-            f.write(f"--- {_now()} {message}\n")
+            f.write(f"--- {now()} {message}\n")
 
     # -- the job -----------------------------------------------------------------------------
 
@@ -326,7 +265,7 @@ class SSH:
 
     def _run(self, trainer: Trainer, run_dir: Path, env: dict[str, str], log: Path,
              poll: Callable[[], None]) -> int:
-        from . import transfer
+        from . import bundle as transfer
 
         fp = _fingerprint(env)
         root = self.must(f"mkdir -p {q(self.workdir)} && cd {q(self.workdir)} && pwd", "making the work folder").decode().strip()
@@ -367,8 +306,8 @@ class SSH:
     def tools(self, trainer: Trainer, root: str, log: Path) -> str:
         """The Python there that runs the job: $OVERBRAINER_REMOTE_PYTHON, else a venv made
         once under tools/ with the trainer's packages."""
-        from .hashing import hash_bytes
-        from .transfer import requirements
+        from ..hashing import hash_bytes
+        from .bundle import requirements
 
         given = os.environ.get("OVERBRAINER_REMOTE_PYTHON")
         if given:
@@ -380,7 +319,7 @@ class SSH:
             return python
         self.say(f"train: installing {' '.join(spec)} on {self.dest} into {venv} (once)")
         with open(log, "ab") as out:
-            out.write(f"--- {_now()} installing {' '.join(spec)} on {self.dest} into {venv}\n".encode())
+            out.write(f"--- {now()} installing {' '.join(spec)} on {self.dest} into {venv}\n".encode())
             out.flush()
             self.must(
                 f"rm -rf {q(venv)} && python3 -m venv {q(venv)} && {q(python)} -m pip install --quiet "
@@ -391,7 +330,7 @@ class SSH:
 
     def send_base(self, root: str, log: Path) -> str:
         """The base model's folder there, sent once per pin."""
-        from . import job as jobfile
+        from ..portable import runner as jobfile
 
         folder = f"{root}/bases/{self.base.pin[:16]}"
         if self.must(f"test -f {q(folder)}/.complete && echo yes || echo no", "looking for the base").strip() == b"yes":
@@ -413,7 +352,7 @@ class SSH:
                poll: Callable[[], None]) -> dict:
         """Mirror the job's metrics file and log here until it ends; pass a stop on. Returns
         its end record."""
-        from .layout import RunFolder
+        from ..folder import RunFolder
 
         metrics = run_dir / trainer.metrics_file()
         stop = RunFolder(run_dir).stop_request
@@ -434,7 +373,7 @@ class SSH:
             data = base64.b64decode(m["data"])
             if m["inode"] is not None:
                 if m["from"] == 0 and (m_from != 0 or m_inode != m["inode"]):
-                    _write_atomic(metrics, data)  # a new file there (the trainer rewrote it on resume)
+                    write_atomic(metrics, data)  # a new file there (the trainer rewrote it on resume)
                 elif data:
                     with open(metrics, "ab") as f:
                         f.write(data)
@@ -463,7 +402,7 @@ class SSH:
     def fetch(self, trainer: Trainer, run_dir: Path, runner: str, fp: str):
         """Bring the job's artifacts back (those this side lacks), verified against the
         manifest run.py computes there; a transfer.Received."""
-        from . import transfer
+        from . import bundle as transfer
 
         art = trainer.artifacts()
         artifacts = {"entries": list(art.entries), "exclude": list(art.exclude), "required": art.required}
@@ -516,12 +455,6 @@ def _control_dir() -> str | None:
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         return None
     return str(folder)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def target_for(where, base: Base, hashes: HashCache, plan_dir: Path,

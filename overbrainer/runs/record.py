@@ -35,9 +35,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .errors import RunFailed, RunStateError
-from .layout import RunFolder, runs_root
-from .stamps import write_atomic
+from ..errors import RunFailed, RunStateError
+from ..folder import RunFolder, runs_root
+from ..fsio import write_atomic
 
 __all__ = ["Run", "runs", "STATES", "ACTIVE", "FINAL"]
 
@@ -165,7 +165,7 @@ class Run:
             child = None
             import threading
 
-            from .build import compile_bake, run_bake
+            from ..bake.driver import compile_bake, run_bake
 
             bake = compile_bake(plan_file, runs=self.folder.root.parent, quiet=True)
             threading.Thread(target=run_bake, args=(bake,), daemon=True, name=f"overbrainer-{self.name}").start()
@@ -310,7 +310,7 @@ class Run:
 
     def checkpoints(self) -> list[int]:
         """Steps with a checkpoint, oldest first."""
-        from .trainers import checkpoint as ckpt
+        from ..trainers import checkpoint as ckpt
 
         return [step for step, _ in ckpt.complete(self.folder.checkpoints)]
 
@@ -318,13 +318,13 @@ class Run:
         """A checkpoint as a usable model (the last one by default). A checkpoint from the
         constant phase of the schedule is not decayed: compare such ones with each other,
         not with the final model."""
-        from .models import Model
+        from ..chat import Model
 
         return Model.checkpoint(self.folder.root, step)
 
     def baked(self):
         """The model this run made (when done)."""
-        from .models import Model
+        from ..chat import Model
 
         return Model.baked(self.folder.root)
 

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .steps import action, check, config, merge, resolve, split, train
-from .steps import bake as bake_step
-from .steps import base as base_step
+from ..steps import action, check, config, merge, resolve, split, train
+from ..steps import bake as bake_step
+from ..steps import base_model as base_step
 
 if TYPE_CHECKING:
-    from .build import Bake
+    from .driver import Bake
 
 __all__ = ["STEPS", "DEPS", "GROUP", "doit_tasks", "step"]
 

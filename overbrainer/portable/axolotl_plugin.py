@@ -1,9 +1,10 @@
 """overbrainer's side of an Axolotl run: the plugin Axolotl loads, and two checks.
 
-This file runs in the Axolotl environment (``overbrainer/tools.py``), never in overbrainer's
-own, and imports nothing from overbrainer: ``Axolotl.prepare`` copies it into the run
-folder as ``axolotl-job/axolotl_plugin.py``, the job's ``PYTHONPATH`` names that folder, and
-the job's config lists it as ``plugins: [axolotl_plugin.OverbrainerPlugin]``.
+This file runs in the Axolotl environment (``trainers/axolotl_env.py``), never in
+overbrainer's own, and imports nothing from overbrainer but this folder: ``Axolotl.prepare``
+ships the folder into the run folder as ``axolotl-job/overbrainer_portable/``, the job's
+``PYTHONPATH`` names ``axolotl-job``, and the job's config lists the plugin as
+``plugins: [overbrainer_portable.axolotl_plugin.OverbrainerPlugin]``.
 
 The plugin adds one Hugging Face ``TrainerCallback`` that makes an Axolotl run look, on
 disk, like one of the built-in trainer's (``loop.py``):
@@ -30,7 +31,7 @@ disk, like one of the built-in trainer's (``loop.py``):
 With several processes only rank 0 writes; the stop is decided on rank 0 and broadcast so
 that every rank stops at the same step.
 
-Run as a script in the Axolotl environment (``python -I axolotl_plugin.py ...``)::
+Run in the Axolotl environment (``python -I -c ...`` from ``portable.script``)::
 
     keys            Axolotl's config keys, as JSON: {"config": [...], "dataset": [...]}
     check CONFIG    CONFIG through Axolotl's own validate_config, and its keys against
@@ -47,6 +48,8 @@ import sys
 import time
 from pathlib import Path
 
+from .common import die_with_parent, fsync_tree, phase_of, truncate_metrics, write_atomic
+
 RUN_DIR_ENV = "OVERBRAINER_RUN_DIR"
 FINGERPRINT_ENV = "OVERBRAINER_FINGERPRINT"
 METRICS = "metrics.jsonl"
@@ -54,68 +57,6 @@ STOP_REQUEST = "stop"
 STOPPED = "stopped.json"
 META = "meta.json"
 ERROR_FILE = "trainer-error.txt"  # one line: why the job gave up, for the bake to tell
-
-
-def phase_of(step_index: int, warmup: int, stable: int) -> str:
-    """The schedule phase of the 0-based optimizer step `step_index` (as loop.py's)."""
-    if step_index < warmup:
-        return "warmup"
-    if step_index < warmup + stable:
-        return "stable"
-    return "decay"
-
-
-def truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines past `step` (a resume logs them again); stage events stay."""
-    if not path.exists():
-        return
-    keep = []
-    for raw in path.read_text().splitlines():
-        try:
-            record = json.loads(raw)
-        except ValueError:
-            continue  # a line torn by a kill
-        if "step" not in record or record["step"] <= step:
-            keep.append(raw)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(k + "\n" for k in keep))
-    os.replace(tmp, path)
-
-
-def _fsync_folder(folder: Path) -> None:
-    for p in folder.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL when the process that started this one dies (a killed bake never
-    leaves a training worker behind; the launcher's own parent-death signal is not
-    inherited across fork)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 try:
@@ -131,7 +72,7 @@ if BasePlugin is not None:  # loaded by Axolotl: the plugin
 
         def register(self, cfg):
             if "LOCAL_RANK" in os.environ:
-                _die_with_parent()  # a worker of accelerate launch: dies with the launcher
+                die_with_parent()  # a worker of accelerate launch: dies with the launcher
             # Axolotl drops a key it does not know without a word: refuse it, in one line,
             # wherever the job runs (overbrainer checks before a job it runs itself too)
             unknown = unknown_keys(dict(cfg), keys())
@@ -322,13 +263,13 @@ if BasePlugin is not None:  # loaded by Axolotl: the plugin
                 "world_size": self.world_size,
                 "trainer": "axolotl",
             }
-            _fsync_folder(folder)
-            _write_atomic(folder / META, json.dumps(meta, indent=1))
+            fsync_tree(folder)
+            write_atomic(folder / META, json.dumps(meta, indent=1))
 
         def on_train_end(self, args, state, control, **kwargs):
             if self.stopping and state.is_world_process_zero:
                 step = state.global_step
-                _write_atomic(self.stopped_marker, json.dumps({"step": step, "steps": self.max_steps}))
+                write_atomic(self.stopped_marker, json.dumps({"step": step, "steps": self.max_steps}))
                 print(f"stopped at step {step} on request", flush=True)
 
 
@@ -370,8 +311,10 @@ def check(config: Path) -> list[str]:
     from axolotl.utils.config import validate_config
     from axolotl.utils.dict import DictDefault
 
-    # the config names this very file as its plugin: make it importable under that name
-    sys.modules.setdefault("axolotl_plugin", sys.modules[__name__])
+    # the config names this very file as its plugin, in the folder as it is shipped: make
+    # it importable under that name too
+    sys.modules.setdefault("overbrainer_portable", sys.modules[__package__])
+    sys.modules.setdefault("overbrainer_portable.axolotl_plugin", sys.modules[__name__])
     cfg = yaml.safe_load(config.read_text())
     unknown = unknown_keys(cfg, keys())
     problems = [f"{config}: {k}: not an Axolotl setting (Axolotl would ignore it)" for k in unknown]
@@ -398,9 +341,5 @@ def main(argv: list[str]) -> int:
         for line in problems:
             print(line)
         return 2 if problems else 0
-    print("usage: python -I axolotl_plugin.py keys | check CONFIG", file=sys.stderr)
+    print("usage: keys | check CONFIG", file=sys.stderr)
     return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,13 +1,15 @@
 """A job, as it runs on any machine: the ``run.py`` of every bundle and remote job folder.
 
-overbrainer copies this file, as is, into each job folder it sends away (``transfer.py``
-writes the rest). It needs Python 3.8+ and, to hash what it brings back, the ``blake3``
-package (overbrainer depends on it; elsewhere ``pip install blake3``). It imports nothing
-of overbrainer, so that a machine with only the trainer's own packages can run it.
+overbrainer ships this folder (``portable/``) into each job folder it sends away, as
+``overbrainer_portable/``, with a ``run.py`` that runs `main` (``where/bundle.py`` writes
+the rest). It needs Python 3.8+ and, to hash what it brings back, the ``blake3`` package
+(overbrainer depends on it; elsewhere ``pip install blake3``). It imports nothing of
+overbrainer, so that a machine with only the trainer's own packages can run it.
 
 A job folder::
 
-    run.py          this file
+    run.py          runs `main` of overbrainer_portable/runner.py (this file)
+    overbrainer_portable/   this folder: the runner and the helpers it shares
     run.sh          ``sh run.sh [--base PATH]``: run.py with $PYTHON (default python3)
     job.json        what to run: the trainer's commands and environment (no secrets), its
                     stages, metrics file, stop marker and artifacts; the job's fingerprint;
@@ -51,8 +53,10 @@ import subprocess
 import sys
 import tarfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
+
+from . import common
+from .common import now, read_json, write_json
 
 FORMAT = 1
 RUN = "run"  # the run folder, inside the job folder
@@ -62,29 +66,11 @@ END = "end.json"
 PID = "job.pid"
 RESULT = "result.tar.gz"
 RESULT_JSON = "result.json"
-NO_METRICS_EXIT = 86  # the job ended well but wrote no metric line (as targets.Here)
 CHUNK = 1 << 20
 
 
 class JobError(Exception):
     """Something about the job folder or its base model: one line, exit code 2."""
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def _write_json(path: Path, value) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
-def _read_json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 # -- hashing ------------------------------------------------------------------------------
@@ -108,7 +94,7 @@ class Hashes:
 
     def __init__(self, path: Path):
         self.path = path
-        self.entries = _read_json(path) or {}
+        self.entries = read_json(path) or {}
 
     def __call__(self, file: Path) -> str:
         st = file.stat()
@@ -122,7 +108,7 @@ class Hashes:
 
     def save(self) -> None:
         try:
-            _write_json(self.path, self.entries)
+            write_json(self.path, self.entries)
         except OSError:
             pass  # a cache: losing it costs a rehash
 
@@ -203,7 +189,7 @@ def pack(home: Path, job: dict, out, have: dict) -> dict:
         "format": FORMAT,
         "name": job["name"],
         "fingerprint": job["fingerprint"],
-        "end": _read_json(home / END),
+        "end": read_json(home / END),
         "files": files,
     }
     with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
@@ -292,56 +278,16 @@ def alive(info) -> bool:
     return start is None or info.get("start") is None or start == info["start"]
 
 
-def _die_with_parent() -> None:
-    """Linux: the trainer gets SIGKILL when this runner dies (as targets.Here)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def has_metric_line(path: Path) -> bool:
-    try:
-        return any('"step"' in line for line in path.read_text().splitlines())
-    except OSError:
-        return False
-
-
 def run_commands(job: dict, run_dir: Path) -> int:
-    """Every command of the job, as targets.Here runs them: a stage event before each, the
-    commands after the first skipped once the stop marker exists, and a job that ends well
-    without a metric line failed when the trainer requires one."""
+    """Every command of the job, as every target runs them (``common.run_commands``)."""
     env = {**os.environ, **job["env"]}
-    metrics = run_dir / job["metrics_file"]
-    marker, stages, log = job.get("stop_marker"), job.get("stages") or [], run_dir / LOG
-    for i, command in enumerate(job["commands"]):
-        if i > 0 and marker and (run_dir / marker).exists():
-            break
-        if stages:
-            with open(metrics, "a") as f:
-                f.write(json.dumps({"stage": stages[i], "time": _now()}) + "\n")
-        program, *args = command
-        argv = [sys.executable if program == "python" else program, *args]
-        with open(log, "ab") as out:
-            out.write(f"--- {_now()} {' '.join(argv)}\n".encode())
-            out.flush()
-            try:
-                proc = subprocess.Popen(argv, cwd=run_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-            except OSError as e:
-                raise JobError(f"cannot run {argv[0]} ({e.strerror}): install the trainer's packages here, "
-                               f"`pip install {' '.join(job.get('install') or [])}`") from None
-            code = proc.wait()
-        if code != 0:
-            return code
-    stopped = bool(marker) and (run_dir / marker).exists()
-    if job.get("metrics_required") and not stopped and not has_metric_line(metrics):
-        with open(log, "a") as f:
-            f.write("the job ended without writing a metric line: its metrics plugin did not load\n")
-        return NO_METRICS_EXIT
-    return 0
+    try:
+        return common.run_commands(job["commands"], run_dir, env, run_dir / LOG, metrics_file=job["metrics_file"],
+                             stages=job.get("stages"), stop_marker=job.get("stop_marker"),
+                             metrics_required=bool(job.get("metrics_required")))
+    except OSError as e:
+        raise JobError(f"cannot run {e.filename or job['commands'][0][0]} ({e.strerror}): install the trainer's "
+                       f"packages here, `pip install {' '.join(job.get('install') or [])}`") from None
 
 
 def run_job(home: Path, base: str | None, result: str | None, detached: bool) -> int:
@@ -349,7 +295,7 @@ def run_job(home: Path, base: str | None, result: str | None, detached: bool) ->
     run_dir = home / RUN
     (home / END).unlink(missing_ok=True)
     if not detached:
-        _write_json(home / PID, {"pid": os.getpid(), "start": _start_time(os.getpid())[1]})
+        write_json(home / PID, {"pid": os.getpid(), "start": _start_time(os.getpid())[1]})
     started = time.monotonic()
     stop = run_dir / STOP
 
@@ -372,13 +318,13 @@ def run_job(home: Path, base: str | None, result: str | None, detached: bool) ->
         code, error = 2, str(e)
         print(f"error: {e}", file=sys.stderr, flush=True)
     marker = job.get("stop_marker")
-    _write_json(home / END, {
+    write_json(home / END, {
         "exit": code,
         "stopped": code == 0 and bool(marker) and (run_dir / marker).exists(),
         "error": error,
         "fingerprint": job["fingerprint"],
         "seconds": round(time.monotonic() - started, 1),
-        "ended": _now(),
+        "ended": now(),
     })
     (home / PID).unlink(missing_ok=True)
     if result is not None and error is None:
@@ -412,14 +358,14 @@ def start(home: Path, base: str | None) -> dict:
     with open(home / "runner.out", "ab") as out:
         child = subprocess.Popen(argv, cwd=home, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                  start_new_session=True, close_fds=True)
-    _write_json(home / PID, {"pid": child.pid, "start": _start_time(child.pid)[1], "log_start": log_start})
+    write_json(home / PID, {"pid": child.pid, "start": _start_time(child.pid)[1], "log_start": log_start})
     return {**status(home), "log_start": log_start}
 
 
 def status(home: Path) -> dict:
-    job = _read_json(home / "job.json") or {}
-    end = _read_json(home / END)  # read first: whatever is written before it is there
-    pid = _read_json(home / PID)
+    job = read_json(home / "job.json") or {}
+    end = read_json(home / END)  # read first: whatever is written before it is there
+    pid = read_json(home / PID)
     return {
         "fingerprint": job.get("fingerprint"),
         "running": end is None and alive(pid),
@@ -451,7 +397,7 @@ def poll(home: Path, metrics_from: int, metrics_inode: int | None, log_from: int
     return now
 
 
-def main(argv: list | None = None) -> int:
+def main(argv: list | None = None, home: Path | None = None) -> int:
     parser = argparse.ArgumentParser(prog="run.py", description="Run an overbrainer job on this machine.")
     sub = parser.add_subparsers(dest="command")
     for name in ("run", "start"):
@@ -474,7 +420,7 @@ def main(argv: list | None = None) -> int:
     if not argv or argv[0].startswith("--"):
         argv = ["run", *argv]
     args = parser.parse_args(argv)
-    home = Path(__file__).resolve().parent
+    home = Path(home or Path.cwd()).resolve()
     try:
         if args.command == "run":
             result = None if args.no_result else (args.result or "")
@@ -482,7 +428,7 @@ def main(argv: list | None = None) -> int:
         if args.command == "start":
             print(json.dumps(start(home, args.base)))
         elif args.command == "stop":
-            (home / RUN / STOP).write_text(f"{_now()}\n")
+            (home / RUN / STOP).write_text(f"{now()}\n")
             print(f"asked the job in {home} to save a checkpoint and stop")
         elif args.command == "status":
             print(json.dumps(status(home)))
@@ -492,7 +438,7 @@ def main(argv: list | None = None) -> int:
         elif args.command == "pack":
             job = json.loads((home / "job.json").read_text())
             job["artifacts"]["skip"] = args.skip
-            listed = json.load(sys.stdin) if args.have == "-" else (_read_json(Path(args.have)) if args.have else [])
+            listed = json.load(sys.stdin) if args.have == "-" else (read_json(Path(args.have)) if args.have else [])
             have = {f["path"]: f["hash"] for f in listed or []}
             pack(home, job, sys.stdout.buffer, have)
             sys.stdout.buffer.flush()
@@ -502,5 +448,3 @@ def main(argv: list | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .protocol import STAGE_TRAIN, Artifacts, NoTrainingData
+from ..protocol import STAGE_TRAIN, Artifacts, NoTrainingData
 
 CONFIG = "config.yaml"
 EXAMPLES = "examples.parquet"
@@ -30,7 +30,7 @@ class Builtin:
             raise NoTrainingData(examples)
 
     def commands(self) -> list[list[str]]:
-        loop = ["-m", "overbrainer.trainers.loop", CONFIG]
+        loop = ["-m", "overbrainer.trainers.builtin", CONFIG]
         if self.processes > 1:
             # torch's own launcher: a rendezvous on this machine, N workers, restarts none
             return [["python", "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.processes}", *loop]]

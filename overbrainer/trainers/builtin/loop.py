@@ -1,6 +1,6 @@
 """The built-in trainer: one training loop, run as its own process.
 
-    python -m overbrainer.trainers.loop RUN_DIR/config.yaml
+    python -m overbrainer.trainers.builtin RUN_DIR/config.yaml
 
 Everything it needs is in ``config.yaml`` (Axolotl's keys) and ``examples.parquet``; its
 output goes to ``metrics.jsonl``, ``checkpoints/`` and stdout (the caller's ``log.txt``).
@@ -22,10 +22,11 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from .. import faults
-from . import checkpoint as ckpt
-from .dist import World
-from .examples import IGNORE, Order, collate, load_examples, micro_batches
+from ...portable import faults
+from ...portable.common import die_with_parent, phase_of, truncate_metrics
+from .. import checkpoint as ckpt
+from ..dist import World
+from ..examples import IGNORE, Order, collate, load_examples, micro_batches
 
 STOP_EXIT = 0  # a stop on request is a success: the stopped marker says it was not the end
 
@@ -41,15 +42,6 @@ def fail(run_dir: Path, message: str, code: int) -> int:
     print(message, flush=True)
     (run_dir / ERROR_FILE).write_text(message + "\n")
     return code
-
-
-def phase_of(step_index: int, warmup: int, stable: int) -> str:
-    """The schedule phase of the 0-based optimizer step `step_index`."""
-    if step_index < warmup:
-        return "warmup"
-    if step_index < warmup + stable:
-        return "stable"
-    return "decay"
 
 
 def train(config_path: Path) -> int:
@@ -362,23 +354,6 @@ def peak_memory() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines past the checkpoint we resume from (they will be logged again)."""
-    if not path.exists():
-        return
-    keep = []
-    for raw in path.read_text().splitlines():
-        try:
-            record = json.loads(raw)
-        except ValueError:
-            continue  # a line torn by a kill
-        if "step" not in record or record["step"] <= step:
-            keep.append(raw)  # stage events stay; steps past the checkpoint go
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(k + "\n" for k in keep))
-    os.replace(tmp, path)
-
-
 def _stop_on_signal(stop_request: Path) -> None:
     """SIGTERM (and SIGINT: Ctrl-C reaches the whole foreground process group) ask for a
     stop: the loop saves a checkpoint at its next step and ends, as `overbrainer stop` does."""
@@ -394,16 +369,14 @@ def _stop_on_signal(stop_request: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m overbrainer.trainers.loop RUN_DIR/config.yaml", file=sys.stderr)
+        print("usage: python -m overbrainer.trainers.builtin RUN_DIR/config.yaml", file=sys.stderr)
         return 2
     config = Path(argv[0]).absolute()
     (config.parent / ERROR_FILE).unlink(missing_ok=True)
     if "LOCAL_RANK" in os.environ:
         # under torchrun: die with it (a killed bake kills torchrun, which cannot then
         # take its workers down; a parent-death signal is not inherited across fork)
-        from ..targets import _die_with_parent
-
-        _die_with_parent()
+        die_with_parent()
     _stop_on_signal(config.parent / "stop")
     try:
         return train(config)

@@ -40,13 +40,15 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
-from .errors import BaseModelError
-from .hashing import HashCache, hash_bytes
+from ..errors import BaseModelError
+from ..folder import cache_root
+from ..fsio import build_once
+from ..hashing import HashCache, hash_bytes
+from ..portable.common import now
 
-__all__ = ["ALIASES", "BaseSpec", "cache_root", "materialize", "parse_base", "pin_base"]
+__all__ = ["ALIASES", "BaseSpec", "materialize", "parse_base", "pin_base"]
 
 SOURCE_FILE = "overbrainer-source.json"
 HUB_TIMEOUT_S = 10.0  # seconds to wait for the hub before calling it unreachable
@@ -101,12 +103,6 @@ class BaseSpec:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def cache_root() -> Path:
-    """The shared cache: ``$OVERBRAINER_CACHE``, else ``~/.cache/overbrainer``."""
-    env = os.environ.get("OVERBRAINER_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "overbrainer"
 
 
 # --- parse --------------------------------------------------------------------------------
@@ -234,47 +230,23 @@ def _cache_target(spec: BaseSpec, root: Path) -> tuple[Path, str]:
 def _into_cache(
     target: Path, spec: BaseSpec, pin: str, log: Callable, build: Callable[[Path, Callable], dict]
 ) -> Path:
-    """Build ``target`` once, under a lock, in a temp folder beside it, moved in when whole."""
-    import tempfile
+    """Build ``target`` once (``fsio.build_once``), its source file written last."""
 
-    if (target / SOURCE_FILE).is_file():
-        return target
-    from filelock import FileLock, Timeout
+    def make(folder: Path) -> None:
+        started = time.monotonic()
+        extra = build(folder, log)
+        source = {
+            **spec.as_dict(),
+            "pin": pin,
+            "created": now(),
+            "seconds": round(time.monotonic() - started, 1),
+            **extra,
+        }
+        (folder / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
+        log(f"base '{spec.source}': ready in {source['seconds']} s at {target}")
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(target) + ".lock")
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        log(f"base '{spec.source}': waiting for another process importing it into {target}")
-        lock.acquire()
-    try:
-        if (target / SOURCE_FILE).is_file():  # the other process finished it
-            return target
-        # Under the lock nobody else builds this target: what is here is left by a killed one.
-        for stale in target.parent.glob(f".{target.name}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        if target.exists():  # incomplete (no source file): derived data, rebuilt
-            shutil.rmtree(target)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        try:
-            started = time.monotonic()
-            extra = build(tmp / "model", log)
-            source = {
-                **spec.as_dict(),
-                "pin": pin,
-                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "seconds": round(time.monotonic() - started, 1),
-                **extra,
-            }
-            (tmp / "model" / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
-            os.replace(tmp / "model", target)
-            log(f"base '{spec.source}': ready in {source['seconds']} s at {target}")
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return target
-    finally:
-        lock.release()
+    return build_once(target, SOURCE_FILE, make,
+                      waiting=lambda: log(f"base '{spec.source}': waiting for another process importing it into {target}"))
 
 
 def _check_folder(folder: Path, source: str) -> Path:

@@ -26,7 +26,7 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .errors import OverbrainerError
+from ..errors import OverbrainerError
 
 __all__ = ["Shape", "Estimate", "model_shape", "estimate", "device_memory", "fit", "GiB"]
 

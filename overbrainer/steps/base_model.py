@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..base import materialize
 from ..errors import BaseModelError
+from ..inputs.base_model import materialize
 from . import Outputs
 from .resolve import base_pin
 
 if TYPE_CHECKING:
-    from ..build import Bake
+    from ..bake.driver import Bake
 
 NAME = "base"
 VERSION = 2

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import RunStateError
-from .layout import RunFolder
+from .folder import RunFolder
 
 __all__ = ["Model"]
 

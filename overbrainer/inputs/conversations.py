@@ -599,7 +599,7 @@ def split_conversations(
                 f"{_plural(summary.rows)} in validation, which leaves none to train on",
                 "set split.validation to a smaller fraction, or add conversations",
             )
-        from . import faults
+        from ..portable import faults
 
         faults.point("split:before-rename")
         os.replace(tmp, out)

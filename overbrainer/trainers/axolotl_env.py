@@ -30,14 +30,15 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 
-from .base import cache_root
-from .errors import OverbrainerError
+from ..errors import OverbrainerError
+from ..folder import cache_root
+from ..fsio import build_once
+from ..portable import script
+from ..portable.common import now
 
 __all__ = ["AXOLOTL_VERSION", "TORCH_VERSION", "ToolsError", "axolotl_env", "axolotl_keys", "axolotl_python"]
 
@@ -45,7 +46,6 @@ AXOLOTL_VERSION = "0.19.0"
 TORCH_VERSION = "2.13.0"  # what axolotl 0.19.0 accepts (>=2.11, <=2.13), installed first
 VENV_ENV = "OVERBRAINER_AXOLOTL_VENV"
 MARKER = "overbrainer-tools.json"
-PLUGIN_SOURCE = Path(__file__).parent / "trainers" / "axolotl_plugin.py"
 # torch's CPU wheels when no local one is found (as scripts/setup does); a bare torch
 # requirement from PyPI is the multi-GB CUDA build
 TORCH_CPU_INDEX = os.environ.get("OVERBRAINER_TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
@@ -87,32 +87,8 @@ def axolotl_env(say: Callable[[str], None] = print, log: Path | None = None) -> 
 
 
 def _build_locked(env: Path, say: Callable[[str], None], log: Path | None) -> Path:
-    from filelock import FileLock, Timeout
-
-    env.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(env) + ".lock")
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        say(f"tools: waiting for another process building the Axolotl environment at {env}")
-        lock.acquire()
-    try:
-        if (env / MARKER).is_file():  # the other process finished it
-            return env
-        # under the lock nobody else builds it: what is here was left by a killed build
-        for stale in env.parent.glob(f".{env.name}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        if env.exists():
-            shutil.rmtree(env)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{env.name}.tmp-", dir=env.parent))
-        try:
-            build(tmp, env, say, log)
-            os.replace(tmp, env)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return env
-    finally:
-        lock.release()
+    return build_once(env, MARKER, lambda folder: build(folder, env, say, log),
+                      waiting=lambda: say(f"tools: waiting for another process building the Axolotl environment at {env}"))
 
 
 def build(tmp: Path, final: Path, say: Callable[[str], None] = print, log: Path | None = None) -> None:
@@ -141,21 +117,21 @@ def build(tmp: Path, final: Path, say: Callable[[str], None] = print, log: Path 
 def finish(tmp: Path, final: Path, started: float, say: Callable[[str], None] = print) -> None:
     """Point the environment's scripts at `final`, record Axolotl's config keys, and write
     the marker, last."""
-    for script in (tmp / "bin").iterdir():
-        if script.is_file() and not script.is_symlink():
+    for program in (tmp / "bin").iterdir():
+        if program.is_file() and not program.is_symlink():
             try:
-                text = script.read_text()
+                text = program.read_text()
             except (UnicodeDecodeError, OSError):
                 continue
             if str(tmp) in text:
-                script.write_text(text.replace(str(tmp), str(final)))
+                program.write_text(text.replace(str(tmp), str(final)))
     say("tools: checking that Axolotl imports, and reading its config keys")
     keys = _read_keys(tmp / "bin" / "python")
     marker = {
         "axolotl": AXOLOTL_VERSION,
         "torch": TORCH_VERSION,
         "python": sys.version.split()[0],
-        "built": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "built": now(),
         "seconds": round(time.monotonic() - started, 1),
         "config_keys": keys,
     }
@@ -173,9 +149,8 @@ def axolotl_keys(env: Path) -> dict[str, list[str]]:
 
 
 def _read_keys(python: Path) -> dict[str, list[str]]:
-    # -I: the script's own folder (overbrainer/trainers, with its axolotl.py) stays off sys.path
     done = subprocess.run(
-        [str(python), "-I", str(PLUGIN_SOURCE), "keys"],
+        [str(python), *script("axolotl_plugin", "keys")],
         capture_output=True, text=True, env={**os.environ, **QUIET_ENV}, timeout=600,
     )
     if done.returncode != 0:

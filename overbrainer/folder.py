@@ -22,10 +22,11 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RunFolder", "runs_root", "RUNS_ENV"]
+__all__ = ["RunFolder", "runs_root", "cache_root", "default_name", "RUNS_ENV"]
 
 RUNS_ENV = "OVERBRAINER_RUNS"
 
@@ -33,6 +34,18 @@ RUNS_ENV = "OVERBRAINER_RUNS"
 def runs_root() -> Path:
     """Where run folders live: ``$OVERBRAINER_RUNS``, else ``runs/`` where the command runs."""
     return Path(os.environ.get(RUNS_ENV) or "runs").absolute()
+
+
+def cache_root() -> Path:
+    """The shared cache: ``$OVERBRAINER_CACHE``, else ``~/.cache/overbrainer``."""
+    env = os.environ.get("OVERBRAINER_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "overbrainer"
+
+
+def default_name(path: Path) -> str:
+    """A plan without a name is named after its file."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", path.stem).strip("-._") or "plan"
+    return name[:100]
 
 
 @dataclass(frozen=True)

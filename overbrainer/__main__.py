@@ -1,0 +1,7 @@
+"""``python -m overbrainer``: the command line, as ``overbrainer``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,191 @@
+"""The helpers every process of a run shares, with or without overbrainer installed.
+
+This module is the one copy of each: the package imports them from here, and so do the
+job runner (``runner.py``) and the Axolotl plugin (``axolotl_plugin.py``), which run where
+overbrainer may not be installed. Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+from . import faults
+
+__all__ = [
+    "NO_METRICS_EXIT", "now", "die_with_parent", "write_atomic", "write_json", "read_json",
+    "fsync_dir", "fsync_tree", "has_metric_line", "truncate_metrics", "phase_of", "run_commands",
+]
+
+NO_METRICS_EXIT = 86  # the job ended well but wrote no metric line (its plugin did not load)
+
+
+def now() -> str:
+    """The time, as every file of a run records it (UTC, ISO 8601, seconds)."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the one that started it dies, so that a killed
+    bake never leaves a trainer writing the run folder behind it (the signal is not
+    inherited across fork: each launcher's children call it again)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+# -- files that readers never see torn -----------------------------------------------------
+
+
+def write_atomic(path: str | os.PathLike, data: bytes | str, fault: str | None = None) -> None:
+    """Write a file so that readers see the old content or the new, never a torn one: a
+    temp file beside it, fsynced, then renamed over it. `fault` names the fault point
+    between the two (``faults.py``)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    if fault:
+        faults.point(fault)
+    os.replace(tmp, path)
+
+
+def write_json(path: str | os.PathLike, value, fault: str | None = None) -> None:
+    write_atomic(path, json.dumps(value, indent=1) + "\n", fault=fault)
+
+
+def read_json(path: str | os.PathLike):
+    """The JSON in `path`, or None when it is missing or unreadable."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename inside `folder` durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    """Every file under `folder` on disk, and the folders that name them."""
+    for root, _dirs, names in os.walk(folder):
+        for name in names:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(root))
+
+
+# -- metrics.jsonl -------------------------------------------------------------------------
+
+
+def has_metric_line(path: Path) -> bool:
+    try:
+        return any('"step"' in line for line in path.read_text().splitlines())
+    except OSError:
+        return False
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines past `step`, the checkpoint a resume starts from (they will be
+    logged again). Stage events stay; a line torn by a kill goes."""
+    if not path.exists():
+        return
+    keep = []
+    for raw in path.read_text().splitlines():
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            continue  # a line torn by a kill
+        if "step" not in record or record["step"] <= step:
+            keep.append(raw)
+    write_atomic(path, "".join(k + "\n" for k in keep))
+
+
+def phase_of(step_index: int, warmup: int, stable: int) -> str:
+    """The schedule phase (warmup, stable, decay) of the 0-based optimizer step `step_index`."""
+    if step_index < warmup:
+        return "warmup"
+    if step_index < warmup + stable:
+        return "stable"
+    return "decay"
+
+
+# -- a job's commands ----------------------------------------------------------------------
+
+
+def run_commands(
+    commands: list[list[str]],
+    run_dir: Path,
+    env: dict[str, str],
+    log: Path,
+    *,
+    metrics_file: str,
+    stages: list[str] | None = None,
+    stop_marker: str | None = None,
+    metrics_required: bool = False,
+    poll: Callable[[], None] | None = None,
+) -> int:
+    """Run a trainer's commands one after the other in the run folder, the way every
+    target does (here, in a bundle, over ssh); the first non-zero exit code, or 0.
+
+    A stage event goes into the metrics file before each command; the commands after the
+    first are skipped once the stop marker exists (a stopped job is not merged); a job
+    that ends well without a metric line fails with `NO_METRICS_EXIT` when the trainer
+    requires one. "python" is this interpreter. Each command dies with this process, and
+    its output is appended to `log`. `poll` is called about 5 times a second while one
+    runs. An OSError starting a program is raised as it is."""
+    metrics = run_dir / metrics_file
+    stages = stages or []
+    for i, command in enumerate(commands):
+        if i > 0 and stop_marker and (run_dir / stop_marker).exists():
+            break  # stopped early with a snapshot: nothing after training runs
+        if stages:
+            with open(metrics, "a") as f:
+                f.write(json.dumps({"stage": stages[i], "time": now()}) + "\n")
+        program, *args = command
+        argv = [sys.executable if program == "python" else program, *args]
+        with open(log, "ab") as out:
+            out.write(f"--- {now()} {' '.join(argv)}\n".encode())
+            out.flush()
+            proc = subprocess.Popen(argv, cwd=run_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+            code = _wait(proc, poll)
+        if code != 0:
+            return code
+    stopped = bool(stop_marker) and (run_dir / stop_marker).exists()
+    if metrics_required and not stopped and not has_metric_line(metrics):
+        with open(log, "a") as f:
+            f.write("the job ended without writing a metric line: its metrics plugin did not load\n")
+        return NO_METRICS_EXIT
+    return 0
+
+
+def _wait(proc: subprocess.Popen, poll: Callable[[], None] | None) -> int:
+    if poll is None:
+        return proc.wait()
+    while True:
+        code = proc.poll()
+        poll()
+        if code is not None:
+            return code
+        time.sleep(0.2)
