@@ -26,13 +26,9 @@ def bake(plan, wait: bool = False, runs=None, show: bool = True):
     for the end, showing progress, and return the baked model). Baking the same plan again
     finds its folder: it follows a running bake, resumes a stopped one, or finds it done."""
     from .bake.driver import compile_bake, dry_run
-    from .runs.record import ACTIVE, Run, launch
+    from .runs.record import start_unless_done
 
-    compiled = compile_bake(plan, runs=runs, quiet=True)
-    handle = Run(compiled.folder.root)
-    if handle.state not in ACTIVE and any(row["run"] for row in dry_run(compiled)):
-        before = handle.attempts()
-        handle.wait_started(before, launch(compiled.plan_path, compiled.folder))
+    handle = start_unless_done(compile_bake(plan, runs=runs, quiet=True)).run
     return handle.wait(show=show) if wait else handle
 
 

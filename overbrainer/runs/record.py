@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -336,6 +337,35 @@ def _steps_from_config(config: Path) -> int | None:
         return yaml.safe_load(config.read_text()).get("max_steps")
     except (OSError, ValueError, AttributeError):
         return None
+
+
+@dataclass
+class Started:
+    """What `start_unless_done` did: ``how`` is "started" (a new process, `pid`),
+    "running" (one was under way: followed, not doubled) or "done" (nothing to run;
+    `rows` are the dry run's)."""
+
+    run: Run
+    how: str
+    pid: int | None = None
+    rows: list[dict] = field(default_factory=list)
+
+
+def start_unless_done(bake) -> Started:
+    """A compiled bake's run, started in a process of its own unless one is running already
+    or every step is up to date: what ``overbrainer bake`` and ``overbrainer.bake()`` do."""
+    from ..bake.driver import dry_run
+
+    run = Run(bake.folder.root)
+    if run.state in ACTIVE:
+        return Started(run, "running")
+    rows = dry_run(bake)
+    if not any(row["run"] for row in rows):
+        return Started(run, "done", rows=rows)
+    before = run.attempts()
+    child = launch(bake.plan_path, bake.folder)
+    run.wait_started(before, child)
+    return Started(run, "started", child.pid, rows)
 
 
 def launch(plan_file: str | os.PathLike, folder: RunFolder) -> subprocess.Popen:
