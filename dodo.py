@@ -19,7 +19,7 @@ BAKE = None
 DOIT_CONFIG = {"default_tasks": ["train"], "verbosity": 2}
 
 if PLAN:
-    from overbrainer.bake.driver import compile_bake, doit_config
+    from overbrainer.graph.driver import compile_bake, doit_config
 
     try:
         BAKE = compile_bake(PLAN, tell_errors=True)
@@ -38,6 +38,6 @@ def task_train():
             "actions": [lambda: print("give the plan: doit train plan=plans/demo.json") and False],
         }
         return
-    from overbrainer.bake.graph import doit_tasks
+    from overbrainer.graph.tasks import doit_tasks
 
     yield from doit_tasks(BAKE)

@@ -25,8 +25,8 @@ def bake(plan, wait: bool = False, runs=None, show: bool = True):
     """Bake a plan in its own process and return its `Run` at once (``wait=True``: wait
     for the end, showing progress, and return the baked model). Baking the same plan again
     finds its folder: it follows a running bake, resumes a stopped one, or finds it done."""
-    from .bake.driver import compile_bake, dry_run
-    from .runs.record import start_unless_done
+    from .graph.driver import compile_bake
+    from .runtime.run import start_unless_done
 
     handle = start_unless_done(compile_bake(plan, runs=runs, quiet=True)).run
     return handle.wait(show=show) if wait else handle
@@ -34,21 +34,21 @@ def bake(plan, wait: bool = False, runs=None, show: bool = True):
 
 def run(folder):
     """The run in `folder` (a run folder such as ``runs/demo``)."""
-    from .runs.record import Run
+    from .runtime.run import Run
 
     return Run(folder)
 
 
 def runs(root=None):
     """Every run under the runs folder (``$OVERBRAINER_RUNS`` or ``./runs``)."""
-    from .runs.record import runs as all_runs
+    from .runtime.run import runs as all_runs
 
     return all_runs(root)
 
 
 def __getattr__(name):
     if name == "Run":
-        from .runs.record import Run
+        from .runtime.run import Run
 
         return Run
     if name == "Model":

@@ -127,14 +127,14 @@ def outputs_in(folder: Path) -> set[str]:
 
 
 def compile_here(plan: Path, runs: Path):
-    from overbrainer.bake.driver import compile_bake
+    from overbrainer.graph.driver import compile_bake
 
     return compile_bake(plan, runs=runs, quiet=True)
 
 
 @pytest.mark.parametrize("how", ["tar", "cp"])
 def test_restored_run_reruns_nothing_and_reads_no_weights(finished, tmp_path, monkeypatch, how):
-    from overbrainer.bake.driver import dry_run, run_bake
+    from overbrainer.graph.driver import dry_run, run_bake
 
     folder = finished.restore(tmp_path / "runs", how)
     merged = next((folder / "merged").glob("*.safetensors"))
@@ -159,7 +159,7 @@ def test_restored_run_reruns_nothing_and_reads_no_weights(finished, tmp_path, mo
 
 
 def test_restored_run_with_new_mtimes_rehashes_once(finished, tmp_path, monkeypatch):
-    from overbrainer.bake.driver import dry_run
+    from overbrainer.graph.driver import dry_run
 
     folder = finished.restore(tmp_path / "runs")
     later = 1_900_000_000_000_000_000

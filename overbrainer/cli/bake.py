@@ -27,7 +27,7 @@ def add_parsers(sub) -> None:
 
 
 def cmd_bake(args) -> int:
-    from ..bake.driver import compile_bake, dry_run
+    from ..graph.driver import compile_bake, dry_run
 
     out = sys.stderr if args.json else sys.stdout
     bake = compile_bake(args.plan, runs=args.runs, out=out, quiet=args.quiet)
@@ -35,7 +35,7 @@ def cmd_bake(args) -> int:
     if args.check:
         return _bake_check(bake, report, args.json, out)
     if args.dry_run:
-        from ..bake.driver import memory_estimate
+        from ..graph.driver import memory_estimate
 
         rows = dry_run(bake)
         for row in rows:
@@ -55,7 +55,7 @@ def cmd_bake(args) -> int:
 
 def _bake_check(bake, report: dict, as_json: bool, out) -> int:
     """``bake --check``: like ``make -q``, the exit code says whether anything would run."""
-    from ..bake.driver import would_run
+    from ..graph.driver import would_run
 
     rows = would_run(bake)
     for row in rows:
@@ -72,7 +72,7 @@ def _bake_here(bake, report: dict, as_json: bool, out) -> int:
     a second Ctrl-C abandons at once."""
     import signal
 
-    from ..bake.driver import run_bake
+    from ..graph.driver import run_bake
 
     asked = []
 
@@ -94,8 +94,8 @@ def _bake_here(bake, report: dict, as_json: bool, out) -> int:
 
 
 def _bake_detached(bake, report: dict, args, out) -> int:
-    from ..runs.follow import follow
-    from ..runs.record import start_unless_done
+    from ..runtime.follow import follow
+    from ..runtime.run import start_unless_done
 
     started = start_unless_done(bake)
     run = started.run
@@ -125,7 +125,7 @@ def _bake_detached(bake, report: dict, args, out) -> int:
 
 def finish(folder: Path, report: dict, as_json: bool, out, quiet: bool) -> int:
     """Tell how the last bake of `folder` ended, from its run.json; the exit code."""
-    from ..runs.record import Run
+    from ..runtime.run import Run
 
     status = Run(folder).status
     result = status.get("result") or {}

@@ -22,7 +22,7 @@ def shown(path: Path) -> str:
 def find_run(value: str, runs: str | None):
     """A run from a folder, a run name, or the plan that names it."""
     from ..folder import runs_root
-    from ..runs.record import Run
+    from ..runtime.run import Run
 
     path = Path(value)
     if path.is_file() and path.suffix == ".json":

@@ -26,8 +26,8 @@ def add_parsers(sub) -> None:
 
 
 def cmd_graph(args) -> int:
-    from ..bake import explain
-    from ..bake.driver import compile_bake
+    from ..graph import explain
+    from ..graph.driver import compile_bake
 
     bake = compile_bake(args.plan, runs=args.runs, quiet=True)
     states = explain.steps() if args.no_status else explain.survey(bake)
@@ -42,8 +42,8 @@ def cmd_graph(args) -> int:
 def cmd_why(args) -> int:
     from dataclasses import asdict
 
-    from ..bake import explain
-    from ..bake.driver import compile_bake
+    from ..graph import explain
+    from ..graph.driver import compile_bake
 
     bake = compile_bake(args.plan, runs=args.runs, quiet=True)
     states = explain.why(bake, args.step)

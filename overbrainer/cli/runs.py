@@ -60,8 +60,8 @@ def add_parsers(sub) -> None:
 
 
 def cmd_status(args) -> int:
-    from ..runs.follow import describe
-    from ..runs.record import runs
+    from ..runtime.follow import describe
+    from ..runtime.run import runs
 
     targets = [find_run(args.run, args.runs)] if args.run else runs(args.runs)
     rows = []
@@ -119,7 +119,7 @@ def cmd_stop(args) -> int:
 
 
 def cmd_resume(args) -> int:
-    from ..runs.follow import follow
+    from ..runtime.follow import follow
 
     run = find_run(args.run, args.runs)
     if run.state == "done":
@@ -134,7 +134,7 @@ def cmd_resume(args) -> int:
 
 
 def cmd_wait(args) -> int:
-    from ..runs.follow import follow
+    from ..runtime.follow import follow
 
     run = find_run(args.run, args.runs)
     follow(run)
@@ -171,7 +171,7 @@ def _cell(value) -> str:
 def cmd_log(args) -> int:
     import time
 
-    from ..runs.record import ACTIVE
+    from ..runtime.run import ACTIVE
 
     run = find_run(args.run, args.runs)
     text = run.log(args.lines)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from ..stamps import Stamp, diff_inputs, fingerprint, read_stamp, verify, write_stamp
 
 if TYPE_CHECKING:
-    from ..bake.driver import Bake
+    from ..graph.driver import Bake
 
 __all__ = ["Outputs", "NotReady", "Status", "check", "execute", "upstream"]
 

@@ -16,7 +16,7 @@ from ..stamps import outputs_digest
 from . import Outputs, upstream
 
 if TYPE_CHECKING:
-    from ..bake.driver import Bake
+    from ..graph.driver import Bake
     from ..plan import TrainSettings
 
 NAME = "config"

@@ -11,7 +11,7 @@ from ..stamps import outputs_digest
 from . import Outputs, upstream
 
 if TYPE_CHECKING:
-    from ..bake.driver import Bake
+    from ..graph.driver import Bake
 
 NAME = "merge"
 VERSION = 1

@@ -11,7 +11,7 @@ from ..inputs.base_model import pin_base
 from . import Outputs
 
 if TYPE_CHECKING:
-    from ..bake.driver import Bake
+    from ..graph.driver import Bake
 
 NAME = "resolve"
 VERSION = 1

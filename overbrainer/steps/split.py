@@ -8,7 +8,7 @@ from . import Outputs
 from .resolve import data_pins
 
 if TYPE_CHECKING:
-    from ..bake.driver import Bake
+    from ..graph.driver import Bake
 
 NAME = "split"
 VERSION = 1

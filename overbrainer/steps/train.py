@@ -18,7 +18,7 @@ from ..trainers import checkpoint as ckpt
 from . import NotReady, Outputs, upstream
 
 if TYPE_CHECKING:
-    from ..bake.driver import Bake
+    from ..graph.driver import Bake
 
 NAME = "train"
 VERSION = 1

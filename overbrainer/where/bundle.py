@@ -523,7 +523,7 @@ class Imported:
 def import_result(run_root: Path, archive: Path, shown: Callable[[Path], str] = str) -> Imported:
     """`overbrainer import RUN RESULT`: bring an exported job's result into its run folder,
     and leave a record the next bake takes up (train goes on from what came back)."""
-    from ..runs.record import Run
+    from ..runtime.run import Run
 
     folder = RunFolder(Path(run_root).absolute())
     archive = Path(archive)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from overbrainer.bake.driver import compile_bake
-from overbrainer.bake.graph import STEPS
+from overbrainer.graph.driver import compile_bake
+from overbrainer.graph.tasks import STEPS
 from overbrainer.stamps import read_stamp
 from overbrainer.steps import check
 from overbrainer.trainers import checkpoint as ckpt

@@ -166,7 +166,7 @@ class Run:
             child = None
             import threading
 
-            from ..bake.driver import compile_bake, run_bake
+            from ..graph.driver import compile_bake, run_bake
 
             bake = compile_bake(plan_file, runs=self.folder.root.parent, quiet=True)
             threading.Thread(target=run_bake, args=(bake,), daemon=True, name=f"overbrainer-{self.name}").start()
@@ -354,7 +354,7 @@ class Started:
 def start_unless_done(bake) -> Started:
     """A compiled bake's run, started in a process of its own unless one is running already
     or every step is up to date: what ``overbrainer bake`` and ``overbrainer.bake()`` do."""
-    from ..bake.driver import dry_run
+    from ..graph.driver import dry_run
 
     run = Run(bake.folder.root)
     if run.state in ACTIVE:

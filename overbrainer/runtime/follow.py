@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .record import Run
+    from .run import Run
 
 __all__ = ["follow", "describe"]
 
@@ -43,7 +43,7 @@ def _duration(seconds: float) -> str:
 
 def follow(run: Run, poll: float = 0.5, show: bool = True, out=None) -> str:
     """Follow `run` until it is no longer active; return its final state."""
-    from .record import ACTIVE
+    from .run import ACTIVE
 
     out = out or sys.stderr
     bar = None

@@ -123,8 +123,8 @@ def run_bake(bake: Bake, task: str = "train") -> int:
     from doit.cmd_base import ModuleTaskLoader
     from doit.doit_cmd import DoitMain
 
-    from ..runs.record import Run
-    from .graph import doit_tasks
+    from ..runtime.run import Run
+    from .tasks import doit_tasks
 
     bake.folder.root.mkdir(parents=True, exist_ok=True)
     if bake.plan_bytes is not None and hasattr(bake.plan, "model_copy"):
@@ -134,7 +134,7 @@ def run_bake(bake: Bake, task: str = "train") -> int:
         attempts = record._read().get("attempts", [])
         attempt = {"start": _now(), "pid": os.getpid()}
         bake.folder.stop_request.unlink(missing_ok=True)
-        from ..runs.record import this_process
+        from ..runtime.run import this_process
 
         record.update(
             state="starting", where="here", plan_file=str(bake.plan_path), process=this_process(),
@@ -177,7 +177,7 @@ def outcome(error: BaseException | None) -> tuple[str, str | None, str | None]:
 
 
 def _now() -> str:
-    from ..runs.record import now
+    from ..runtime.run import now
 
     return now()
 
@@ -186,7 +186,7 @@ def dry_run(bake: Bake) -> list[dict]:
     """Each step, whether it would run, and why: nothing is run, and nothing written but
     the hash cache (a file whose mtime changed is hashed here once, not on every check)."""
     from ..steps import check
-    from .graph import DEPS, STEPS
+    from .tasks import DEPS, STEPS
 
     rows, will_run = [], set()
     for module in STEPS:
