@@ -87,7 +87,7 @@ def cmd_runs(args) -> int:
 
 
 def cmd_import(args) -> int:
-    from ..where.bundle import import_result
+    from ..where.receive import import_result
 
     run = find_run(args.run, args.runs)
     done = import_result(run.folder.root, Path(args.result), shown=shown)

@@ -18,6 +18,7 @@ from ..errors import OverbrainerError, RunStateError
 from ..folder import RunFolder, runs_root
 from ..hashing import HashCache
 from ..inputs.base_model import BaseSpec, parse_base
+from ..portable.common import now
 from ..remembered import load as load_plan
 from ..remembered import remember, validated
 
@@ -132,7 +133,7 @@ def run_bake(bake: Bake, task: str = "train") -> int:
     with _exclusive(bake.folder):
         record = Run(bake.folder.root)
         attempts = record._read().get("attempts", [])
-        attempt = {"start": _now(), "pid": os.getpid()}
+        attempt = {"start": now(), "pid": os.getpid()}
         bake.folder.stop_request.unlink(missing_ok=True)
         from ..runtime.run import this_process
 
@@ -151,7 +152,7 @@ def run_bake(bake: Bake, task: str = "train") -> int:
         finally:
             state, reason, kind = outcome(bake.error)
             log_tail = getattr(bake.error, "log_tail", "") or ""
-            attempt.update(end=_now(), exit=code, reason=reason or state)
+            attempt.update(end=now(), exit=code, reason=reason or state)
             record.update(
                 state=state, reason=reason, attempts=[*attempts, attempt],
                 result={"ran": bake.ran, "skipped": bake.skipped, "error": reason if bake.error else None,
@@ -174,12 +175,6 @@ def outcome(error: BaseException | None) -> tuple[str, str | None, str | None]:
     if isinstance(error, KeyboardInterrupt):
         return "failed", "interrupted", "run"
     return "failed", str(error) or type(error).__name__, "run"
-
-
-def _now() -> str:
-    from ..runtime.run import now
-
-    return now()
 
 
 def dry_run(bake: Bake) -> list[dict]:

@@ -33,12 +33,12 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import RunFailed, RunStateError
 from ..folder import RunFolder, runs_root
 from ..fsio import write_atomic
+from ..portable.common import now
 
 __all__ = ["Run", "runs", "STATES", "ACTIVE", "FINAL"]
 
@@ -46,10 +46,6 @@ STATES = ("planned", "starting", "running", "stopping", "stopped", "done", "fail
 ACTIVE = ("starting", "running", "stopping")
 FINAL = ("stopped", "done", "failed")
 DIED = "process ended without saying so"
-
-
-def now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def this_process() -> dict:
