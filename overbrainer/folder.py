@@ -22,6 +22,10 @@
 ``trainer-error.txt``  one line: why the trainer gave up
 ``export/``            bundles of an exported job, and ``imported.json``: a result imported
 ``axolotl-job/``       the Axolotl trainer's job files (``trainers/axolotl.py``)
+``loss.png``           the loss curve so far, drawn again at each checkpoint
+``tensorboard/``       TensorBoard's event files, when the plan reports to it (``trackers/``)
+``mlruns/``            MLflow's file store, when it reports to MLflow without a server
+``wandb/``             W&B's run files, when it reports to W&B
 =====================  ==============================================================
 
 The names are the constants below (``RunFolder``'s properties give the paths); the few that
@@ -42,7 +46,8 @@ __all__ = [
     "RunFolder", "runs_root", "cache_root", "default_name", "RUNS_ENV",
     "PLAN_JSON", "EXAMPLES", "CONFIG", "RUN_JSON", "METRICS", "LOG", "CHECKPOINTS", "MERGED", "BAKED", "ATTIC",
     "STAMPS", "DOIT_DB", "HASH_CACHE", "PLAN_MEMO", "LOCK", "RUN_LOCK", "STOP", "STOPPED", "TRAINER_ERROR",
-    "EXPORT", "IMPORTED", "IMPORTED_USED", "AXOLOTL_JOB", "META",
+    "EXPORT", "IMPORTED", "IMPORTED_USED", "AXOLOTL_JOB", "META", "LOSS_PLOT", "TENSORBOARD", "MLRUNS",
+    "WANDB",
 ]
 
 RUNS_ENV = "OVERBRAINER_RUNS"
@@ -65,6 +70,10 @@ EXPORT = "export"
 IMPORTED = "imported.json"  # in export/: a result imported, not yet taken up by a bake
 IMPORTED_USED = "imported.used.json"  # in export/: the last one a bake took up
 AXOLOTL_JOB = "axolotl-job"
+LOSS_PLOT = "loss.png"
+TENSORBOARD = "tensorboard"
+MLRUNS = "mlruns"
+WANDB = "wandb"
 
 
 def runs_root() -> Path:
@@ -113,6 +122,10 @@ class RunFolder:
     trainer_error = property(lambda self: self.root / TRAINER_ERROR)
     export = property(lambda self: self.root / EXPORT)
     axolotl_job = property(lambda self: self.root / AXOLOTL_JOB)
+    loss_plot = property(lambda self: self.root / LOSS_PLOT)
+    tensorboard = property(lambda self: self.root / TENSORBOARD)
+    mlruns = property(lambda self: self.root / MLRUNS)
+    wandb = property(lambda self: self.root / WANDB)
 
     def stamp(self, step: str) -> Path:
         return self.stamps / f"{step}.json"

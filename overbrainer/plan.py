@@ -33,6 +33,8 @@ BAKE_FORMATS = (
     "adapter",
 )
 TRAINERS = ("builtin", "axolotl")
+# What `report_to` may name; overbrainer/trackers/ mirrors metrics.jsonl to them.
+TRACKERS = ("tensorboard", "mlflow", "wandb")
 
 
 class _Settings(BaseModel):
@@ -162,6 +164,18 @@ class Plan(_Settings):
     where: Literal["here", "export"] | SSHTarget = Field(
         default="here", description='"here", "export" (a bundle to run anywhere), or {"ssh": "user@host"}.'
     )
+    report_to: list[Literal[TRACKERS]] = Field(
+        default_factory=list,
+        description="Trackers that mirror metrics.jsonl while it trains: tensorboard, mlflow, wandb.",
+    )
+
+    @field_validator("report_to")
+    @classmethod
+    def _once_each(cls, names: list[str]) -> list[str]:
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} listed more than once; list each tracker once")
+        return names
 
     @property
     def data_files(self) -> list[str]:
@@ -268,6 +282,11 @@ def _describe(err: dict, text: str, shown: str) -> str:
         message = f"unknown format {err.get('input')!r}; supported: {', '.join(BAKE_FORMATS)}"
     if kind == "literal_error" and loc == ["train", "trainer"]:
         message = f"unknown trainer {err.get('input')!r}; supported: {', '.join(TRAINERS)}"
+    if kind == "literal_error" and loc[:1] == ["report_to"]:
+        given = str(err.get("input"))
+        guess = difflib.get_close_matches(given.lower(), TRACKERS, n=1, cutoff=0.5)
+        hint = f"did you mean {guess[0]!r}?" if guess else f"supported: {', '.join(TRACKERS)}"
+        message = f"unknown tracker {given!r}; {hint}"
     fix = _FIXES.get(kind, "")
     return f"{where}{field}: {message}" + (f"; {fix}" if fix else "")
 

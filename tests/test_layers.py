@@ -20,7 +20,7 @@ LAYERS = [
     ("runtime", ["overbrainer.runtime"]),
     ("graph", ["overbrainer.graph"]),
     ("steps", ["overbrainer.steps"]),
-    ("parts", ["overbrainer.inputs", "overbrainer.where", "overbrainer.trainers", "overbrainer.formats",
+    ("parts", ["overbrainer.inputs", "overbrainer.where", "overbrainer.trainers", "overbrainer.formats", "overbrainer.trackers",
                "overbrainer.chat"]),
     ("ground", ["overbrainer.plan", "overbrainer.remembered", "overbrainer.stamps", "overbrainer.hashing",
                 "overbrainer.folder", "overbrainer.fsio", "overbrainer.journal", "overbrainer.errors", "overbrainer.version"]),
