@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "overbrainer"
 
 # top to bottom; a module may import its own layer and the layers below it
 LAYERS = [
-    ("api", ["overbrainer", "overbrainer.__main__", "overbrainer.cli"]),
+    ("api", ["overbrainer", "overbrainer.__main__", "overbrainer.cli", "overbrainer.serve"]),
     ("runtime", ["overbrainer.runtime"]),
     ("graph", ["overbrainer.graph"]),
     ("steps", ["overbrainer.steps"]),

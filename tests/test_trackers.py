@@ -114,7 +114,6 @@ def test_tracker_that_fails_mid_run_warns_once(tmp_path):
     line = {"step": 1, "tokens": 10, "loss": 2.0, "lr": 0.1, "eval_loss": None, "seconds": 1.0, "phase": "warmup"}
     mirror.lines([line])
     # the store goes away under it (a disk unmounted): a file where its folder was
-    import shutil
 
     (folder.mlruns / "mlflow.db").write_bytes(b"not a database any more")
     mirror.lines([{**line, "step": 2}])

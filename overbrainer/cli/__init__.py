@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from ..errors import OverbrainerError
-from . import bake, chat, graph, runs
+from . import bake, chat, graph, runs, serve
 
 __all__ = ["main"]
 
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="overbrainer", description="Fine-tuning a language model, declared as a build.")
     parser.add_argument("--runs", help="where run folders live (default: $OVERBRAINER_RUNS or ./runs)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (bake, graph, runs, chat):
+    for group in (bake, graph, runs, chat, serve):
         group.add_parsers(sub)
     args = parser.parse_args(argv)
     if getattr(args, "runs_here", None):
