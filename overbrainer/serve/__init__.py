@@ -118,7 +118,7 @@ def app(root: Path, token: str) -> Starlette:
         run = run_of(request)
         if run is None:
             return JSONResponse({"error": "no such run"}, 404)
-        what = request.path_params["action"]
+        what = request.url.path.rsplit("/", 1)[-1]
         try:
             if what == "stop":
                 state = run.stop(wait=False) if run.state in ("starting", "running", "stopping") else run.state
@@ -143,7 +143,8 @@ def app(root: Path, token: str) -> Starlette:
         Route("/api/runs", list_runs),
         Route("/api/runs/{name}", one_run),
         Route("/api/runs/{name}/metrics", metrics),
-        Route("/api/runs/{name}/{action:str}", action, methods=["POST"]),
+        Route("/api/runs/{name}/stop", action, methods=["POST"], name="stop"),
+        Route("/api/runs/{name}/resume", action, methods=["POST"], name="resume"),
         Mount("/static", StaticFiles(directory=STATIC)),
     ])
 
