@@ -18,6 +18,7 @@ from ..errors import OverbrainerError, RunStateError
 from ..folder import RunFolder, runs_root
 from ..hashing import HashCache
 from ..inputs.base_model import BaseSpec, parse_base
+from ..inputs.sources import Source, resolve_sources
 from ..portable.common import now
 from ..remembered import load as load_plan
 from ..remembered import remember, validated
@@ -37,7 +38,7 @@ class Bake:
     plan_path: Path
     folder: RunFolder
     base: BaseSpec
-    data_paths: list[Path]
+    sources: list[Source]
     hashes: HashCache
     out: TextIO = field(default_factory=lambda: sys.stdout)
     quiet: bool = False
@@ -47,6 +48,11 @@ class Bake:
     tell_errors: bool = False  # the doit reporter prints the error (under `doit`, no CLI)
     record: object | None = None  # the Run whose run.json this bake keeps, while it runs
     plan_bytes: bytes | None = None  # what the plan file held when it was read
+
+    @property
+    def data_paths(self) -> list[Path]:
+        """Every file of every source."""
+        return [f.path for s in self.sources for f in s.files]
 
     @property
     def plan_dir(self) -> Path:
@@ -80,16 +86,8 @@ def compile_bake(plan_path: str | os.PathLike, runs: str | os.PathLike | None = 
     root = Path(runs).absolute() if runs else runs_root()
     plan, raw = load_plan(plan_path, root)
     shown_plan = os.path.relpath(plan_path) if not str(plan_path).startswith("..") else str(plan_path)
-    data_paths = []
-    for i, rel in enumerate(plan.data_files):
-        path = (plan_path.parent / rel).expanduser().absolute()
-        field_name = "data" if isinstance(plan.data, str) else f"data[{i}]"
-        if not path.is_file():
-            what = "is a folder" if path.is_dir() else "no such file"
-            raise OverbrainerError(
-                f"{shown_plan}: {field_name}: {rel!r} {what} (paths are relative to the plan file); fix the path"
-            )
-        data_paths.append(path)
+    # files, folders and globs must exist, a hub dataset be in the cache (or reachable)
+    sources = resolve_sources(plan.model_dump(mode="json")["data"], plan_path.parent, shown_plan)
     base = parse_base(plan.base, plan_path.parent)
     folder = RunFolder(root / plan.name)
     return Bake(
@@ -97,7 +95,7 @@ def compile_bake(plan_path: str | os.PathLike, runs: str | os.PathLike | None = 
         plan_path=plan_path,
         folder=folder,
         base=base,
-        data_paths=data_paths,
+        sources=sources,
         hashes=HashCache(folder.hash_cache),
         plan_bytes=raw,
         **options,

@@ -31,10 +31,9 @@ import pyarrow as pa
 from ..errors import DataError
 from .formats import BadRow, names_of
 
-__all__ = ["SUFFIXES", "BATCH_ROWS", "raw_rows", "open_error"]
+__all__ = ["BATCH_ROWS", "raw_rows", "open_error"]
 
 BATCH_ROWS = 4096
-SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".tsv", ".arrow")
 _WHITESPACE = re.compile(r"[ \t\r\n]*")
 
 

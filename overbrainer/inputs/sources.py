@@ -36,13 +36,14 @@ from ..errors import OverbrainerError
 from ..folder import cache_root
 from ..fsio import write_atomic
 from ..hashing import HashCache, hash_bytes
-from .readers import SUFFIXES
 
-__all__ = ["SourceFile", "Source", "resolve_sources", "pin_sources", "entries_of"]
+__all__ = ["SUFFIXES", "SourceFile", "Source", "resolve_sources", "pin_sources"]
 
 _HUB_ID = re.compile(
     r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+?))?(?::(?P<config>[\w.-]+))?$"
 )
+# the data file types inputs/readers.py reads
+SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".tsv", ".arrow")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _GLOB = re.compile(r"[*?[]")
 
@@ -71,14 +72,9 @@ class Source:
     config: str | None = None  # hub: the config resolved
 
 
-def entries_of(data: list) -> list[dict]:
-    """The plan's ``data`` in its JSON form as entries (a bare path is ``{"path": ...}``)."""
-    if isinstance(data, str):
-        data = [data]
-    return [{"path": e} if isinstance(e, str) else dict(e) for e in data]
-
-
 def resolve_sources(entries: list[dict], plan_dir: Path, shown_plan: str) -> list[Source]:
+    """The plan's ``data`` (its JSON form: ``plan.DataSource`` dumps) as sources; raises
+    OverbrainerError (one line: the plan file, the field, the fix) for one that is not there."""
     sources = []
     for i, entry in enumerate(entries):
         where = f"{shown_plan}: data[{i}]"
@@ -322,6 +318,11 @@ def pin_sources(sources: list[Source], hashes: HashCache) -> list[dict]:
             lines = [f"{f.name}:{hashes.hash(f.path)}" for f in source.files]
             digest = hash_bytes("\n".join(lines).encode())
         pin = {"path": source.entry, "hash": digest}
+        # how it is read and mixed, where not the default: a changed weight shows in `why`
+        pin.update({k: v for k, v in (("format", source.format), ("fields", source.fields),
+                                      ("split", source.split), ("weight", source.weight),
+                                      ("rows", source.rows))
+                    if v not in (None, "auto", "train", {})})
         if source.kind == "hub":
             pin.update(revision=source.revision, config=source.config)
         if source.kind != "file":
