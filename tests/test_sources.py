@@ -154,8 +154,8 @@ def test_shares_sum_to_the_total_by_largest_remainder():
 
 
 def test_weights_set_each_sources_share_of_the_train_examples(tmp_path):
-    a = jsonl(tmp_path / "a.jsonl", [chat(i, "a") for i in range(60)])
-    b = jsonl(tmp_path / "b.jsonl", [chat(i, "b") for i in range(20)])
+    jsonl(tmp_path / "a.jsonl", [chat(i, "a") for i in range(60)])
+    jsonl(tmp_path / "b.jsonl", [chat(i, "b") for i in range(20)])
     out = tmp_path / "examples.parquet"
     summary = split_sources(
         sources(tmp_path, {"path": "a.jsonl", "weight": 1}, {"path": "b.jsonl", "weight": 3}), out, 0.0, 7

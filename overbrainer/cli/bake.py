@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import OverbrainerError
+from ..folder import RunFolder
 from .common import shown
 
 
@@ -23,6 +24,8 @@ def add_parsers(sub) -> None:
     mode.add_argument("--foreground", action="store_true", help="run in this process (what CI and doit want)")
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--runs", dest="runs_here", help=argparse.SUPPRESS)
+    # the bake as the process that launched this one compiled it (JSON on stdin)
+    p.add_argument("--compiled", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bake)
 
 
@@ -30,7 +33,13 @@ def cmd_bake(args) -> int:
     from ..graph.driver import compile_bake, dry_run
 
     out = sys.stderr if args.json else sys.stdout
-    bake = compile_bake(args.plan, runs=args.runs, out=out, quiet=args.quiet)
+    say = None if args.quiet else (lambda message: print(message, file=out, flush=True))
+    if args.compiled == "-" and args.foreground:
+        from ..steps.context import Bake
+
+        bake = Bake.from_handoff(json.load(sys.stdin), **({"say": say} if say else {}))
+    else:
+        bake = compile_bake(args.plan, runs=args.runs, say=say)
     report = {"folder": str(bake.folder.root), "plan": bake.plan.name}
     if args.check:
         return _bake_check(bake, report, args.json, out)
@@ -49,7 +58,7 @@ def cmd_bake(args) -> int:
             print(json.dumps({**report, "steps": rows, "would_run": [r["step"] for r in rows if r["run"]], **extra}))
         return 0
     if args.foreground:
-        return _bake_here(bake, report, args.json, out)
+        return _bake_here(bake, report, args.json, out, args.quiet)
     return _bake_detached(bake, report, args, out)
 
 
@@ -67,7 +76,7 @@ def _bake_check(bake, report: dict, as_json: bool, out) -> int:
     return 1 if rows else 0
 
 
-def _bake_here(bake, report: dict, as_json: bool, out) -> int:
+def _bake_here(bake, report: dict, as_json: bool, out, quiet: bool) -> int:
     """The bake in this process. Ctrl-C (or SIGTERM) asks the trainer to save and stop;
     a second Ctrl-C abandons at once."""
     import signal
@@ -86,11 +95,11 @@ def _bake_here(bake, report: dict, as_json: bool, out) -> int:
     signal.signal(signal.SIGINT, ask_stop)
     signal.signal(signal.SIGTERM, ask_stop)
     try:
-        run_bake(bake)
+        done = run_bake(bake)
     except OverbrainerError:
         raise  # AlreadyRunning: nothing of this folder was touched
-    report.update(ran=bake.ran, skipped=bake.skipped)
-    return finish(bake.folder.root, report, as_json, out, bake.quiet)
+    report.update(ran=done.ran, skipped=done.skipped)
+    return finish(bake.folder.root, report, as_json, out, quiet)
 
 
 def _bake_detached(bake, report: dict, args, out) -> int:
@@ -133,9 +142,9 @@ def finish(folder: Path, report: dict, as_json: bool, out, quiet: bool) -> int:
     state = status["state"]
     report["state"] = state
     if state == "done":
-        report["baked"] = str(Path(folder) / "baked")
+        report["baked"] = str(RunFolder(Path(folder)).baked)
         if not quiet:
-            where = shown(Path(folder) / "baked")
+            where = shown(RunFolder(Path(folder)).baked)
             print(f"baked: {where}" if report["ran"] else f"everything is up to date: {where}", file=out)
         return _done(report, as_json, out, folder, quiet)
     reason = status.get("reason") or state

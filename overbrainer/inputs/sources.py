@@ -25,6 +25,7 @@ plan's field (``data[1]``) and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -70,6 +71,17 @@ class Source:
     rows: int | None = None
     revision: str | None = None  # hub: the commit
     config: str | None = None  # hub: the config resolved
+
+    def as_json(self) -> dict:
+        """This source as JSON (a compiled bake handed to the run's own process)."""
+        data = dataclasses.asdict(self)
+        data["files"] = [{"path": str(f.path), "shown": f.shown, "name": f.name} for f in self.files]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> Source:
+        files = [SourceFile(Path(f["path"]), f["shown"], f["name"]) for f in data["files"]]
+        return cls(**{**data, "files": files})
 
 
 def resolve_sources(entries: list[dict], plan_dir: Path, shown_plan: str) -> list[Source]:
