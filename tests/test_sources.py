@@ -350,9 +350,10 @@ def test_a_weight_change_reruns_the_split_and_why_shows_it(tmp_path, tiny_model)
             "data": [{"path": "a.jsonl", "weight": 1}, {"path": "b.csv", "weight": 1}]}
     path = project / "plan.json"
     path.write_text(json.dumps(plan))
-    bake = compile_bake(path, quiet=True)
-    assert run_bake(bake, "train:split") == 0, bake.error
-    assert run_bake(bake, "train:resolve") == 0, bake.error
+    bake = compile_bake(path)
+    for task in ("train:split", "train:resolve"):
+        outcome = run_bake(bake, task)
+        assert outcome.code == 0, outcome.error
     pinned = json.loads(bake.folder.plan_json.read_text())["resolved"]["data"]
     assert [p["weight"] for p in pinned] == [1, 1]
 
