@@ -364,3 +364,86 @@ def test_a_weight_change_reruns_the_split_and_why_shows_it(tmp_path, tiny_model)
     printed = cli("bake", str(path), "--foreground", check=None)  # trains too: only the split's lines matter
     lines = [line for line in printed.stdout.splitlines() if line.startswith("split: b.csv")]
     assert lines and lines[0].startswith("split: b.csv: alpaca; ") and "(67%)" in lines[0]
+
+
+# -- the chat template ---------------------------------------------------------------
+
+
+def templateless(tiny_model: Path, folder: Path) -> Path:
+    """The tiny model as a base model without a chat template."""
+    import shutil
+
+    shutil.copytree(tiny_model, folder)
+    (folder / "chat_template.jinja").unlink()
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def split_of(tmp_path: Path, rows: list[dict]) -> Path:
+    jsonl(tmp_path / "chats.jsonl", rows)
+    out = tmp_path / "examples.parquet"
+    split_sources(sources(tmp_path, "chats.jsonl"), out, 0.0, 0)
+    return out
+
+
+def test_a_named_template_is_checked_on_every_conversation(tmp_path, tiny_model):
+    from overbrainer.inputs.templates import resolve_template
+    from overbrainer.steps.config import check_chat_template
+
+    base = templateless(tiny_model, tmp_path / "base")
+    examples = split_of(tmp_path, [chat(i) for i in range(5)])
+    tokens = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    with pytest.raises(OverbrainerError, match=r"^config: the base model base has no chat template; set \"chat_template\""):
+        check_chat_template(examples, base, None, tokens)
+    got, counts = check_chat_template(examples, base, resolve_template("chatml", tmp_path), tokens)
+    assert got == tokens and list(counts) == ["chats.jsonl"] and counts["chats.jsonl"] > 0
+    with pytest.raises(OverbrainerError, match=r"chat_template llama3 ends a turn with '<\|eot_id\|>', which the base"):
+        check_chat_template(examples, base, resolve_template("llama3", tmp_path), tokens)
+
+
+def test_a_template_that_fails_on_a_row_names_it(tmp_path, tiny_model):
+    from overbrainer.inputs.templates import FAMILIES, resolve_template
+    from overbrainer.steps.config import check_chat_template
+
+    rows = [chat(i) for i in range(3)]
+    rows.append({"messages": [{"role": "system", "content": "s"}, *chat(9)["messages"]]})
+    examples = split_of(tmp_path, rows)
+    strict = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system turns here') }}{% endif %}"
+    (tmp_path / "strict.jinja").write_text(strict + FAMILIES["chatml"][0])
+    template = resolve_template("strict.jinja", tmp_path)
+    with pytest.raises(OverbrainerError) as caught:
+        check_chat_template(examples, tiny_model, template, {"eos_token": "<|im_end|>"})
+    assert str(caught.value).startswith(
+        "config: the chat template (strict.jinja) fails on chats.jsonl:4 (row 4 of examples.parquet): no system turns here;"
+    )
+
+
+def test_a_base_without_a_template_stops_before_training_and_chatml_trains_it(tmp_path, tiny_model):
+    from conftest import TINY_PLAN
+
+    from helpers import DEMO_DATA
+
+    project = tmp_path / "project"
+    project.mkdir()
+    templateless(tiny_model, project / "tiny")
+    (project / "chats.jsonl").write_text("\n".join(DEMO_DATA.read_text().splitlines()[:20]) + "\n")
+    plan = json.loads(json.dumps(TINY_PLAN))
+    plan["train"]["steps"] = 2
+    path = project / "plan.json"
+    path.write_text(json.dumps(plan))
+    proc = cli("bake", str(path), "--foreground", check=2)
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: config: the base model tiny has no chat template; set \"chat_template\"")
+    run = tmp_path / "runs" / "tiny"
+    assert not (run / "checkpoints").exists()
+
+    plan["chat_template"] = "chatml"
+    path.write_text(json.dumps(plan))
+    cli("bake", str(path), "--foreground")
+    from overbrainer.inputs.templates import FAMILIES
+
+    assert (run / "merged" / "chat_template.jinja").read_text() == FAMILIES["chatml"][0]
+    assert (run / "baked" / "chat_template.jinja").read_text() == FAMILIES["chatml"][0]
+    assert "chat_template_jinja" in (run / "config.yaml").read_text()
