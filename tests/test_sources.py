@@ -235,7 +235,7 @@ def test_a_glob_and_a_folder_are_their_data_files_sorted(tmp_path):
 
 
 def test_save_to_disk_folders_are_read_by_split(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    import datasets
     rows = [{"instruction": f"i{i}", "output": f"o{i}"} for i in range(30)]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "one"))
     datasets.DatasetDict({
@@ -299,7 +299,6 @@ def hub(tmp_path, monkeypatch):
 
 
 def test_a_hub_dataset_in_the_cache_is_read_and_pinned_by_its_commit(tmp_path, hub):
-    pytest.importorskip("datasets")
     hub_cache(hub)
     from overbrainer.hashing import HashCache
 
@@ -317,7 +316,6 @@ def test_a_hub_dataset_in_the_cache_is_read_and_pinned_by_its_commit(tmp_path, h
 
 
 def test_a_hub_config_that_does_not_exist_is_one_line(tmp_path, hub):
-    pytest.importorskip("datasets")
     hub_cache(hub)
     with pytest.raises(OverbrainerError) as caught:
         sources(tmp_path, "org/pirates:huge")
