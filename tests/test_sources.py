@@ -420,7 +420,6 @@ def test_a_template_that_fails_on_a_row_names_it(tmp_path, tiny_model):
 
 def test_a_base_without_a_template_stops_before_training_and_chatml_trains_it(tmp_path, tiny_model):
     from conftest import TINY_PLAN
-
     from helpers import DEMO_DATA
 
     project = tmp_path / "project"

@@ -362,7 +362,9 @@ def _write_rows(
     names: list[str] = []
     limit = fraction * 2**64 if fraction is not None else 0.0
 
-    with pq.ParquetWriter(target, schema) as writer:
+    # a staging file is read back once, at once: written without compression or dictionaries
+    options = {} if fraction is not None else {"compression": "none", "use_dictionary": False}
+    with pq.ParquetWriter(target, schema, **options) as writer:
 
         def flush() -> None:
             arrays = [pa.array(ids, pa.string())]
@@ -383,9 +385,10 @@ def _write_rows(
 
         for k, source in enumerate(sources):
             normalizer = Normalizer(source.format, source.fields)
-            stats = {"source": source.entry, "formats": normalizer.seen, "read": 0,
+            stats = {"source": source.entry, "formats": {}, "read": 0,
                      "train": 0, "validation": 0, "tokens": 0}
             per_source.append(stats)
+            before = (train, validation, train_tokens)
             for file in source.files:
                 read = 0
                 for number, messages in read_conversations(
@@ -423,17 +426,17 @@ def _write_rows(
                     elif score < limit:  # score / 2**64 < fraction, exactly
                         splits.append("validation")
                         validation += 1
-                        stats["validation"] += 1
                     else:
                         splits.append("train")
                         train += 1
                         train_tokens += estimate
-                        stats["train"] += 1
-                        stats["tokens"] += estimate
                     if len(ids) == BATCH_ROWS:
                         flush()
                 files_read[file.shown] = files_read.get(file.shown, 0) + read
                 stats["read"] += read
+            stats["formats"] = normalizer.seen
+            stats["train"], stats["validation"], stats["tokens"] = (
+                train - before[0], validation - before[1], train_tokens - before[2])
         if ids:
             flush()
 

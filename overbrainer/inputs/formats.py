@@ -32,6 +32,7 @@ A bad row raises :class:`BadRow`: what is wrong, and the fix; the reader turns i
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping
 
 __all__ = ["FORMATS", "FIELD_NAMES", "BadRow", "Normalizer", "kind_of", "names_of"]
@@ -59,6 +60,7 @@ _MARKS = {
     "prompt_completion": ("prompt", "completion"),
     "alpaca": ("instruction", "output"),
 }
+
 
 
 class BadRow(Exception):
@@ -106,12 +108,14 @@ class Normalizer:
             raise ValueError(f"unknown format {format!r}")
         fields = dict(fields or {})
         self.format = format
-        self.seen: dict[str, int] = {}
+        self._seen: Counter[str] = Counter()
+        self.plain_rows = 0
         self._found: set[str] = set()  # the renamed names some row had
         # the data's name of each top-level key that is renamed
         self._renames = [(fields[k], k) for k in TOP_FIELDS if k in fields and fields[k] != k]
         self._openai_keys = (fields.get("role", "role"), fields.get("content", "content"))
         self._sharegpt_keys = (fields.get("from", "from"), fields.get("value", "value"))
+        self._plain = format in ("auto", "openai") and not fields
         self._parse: dict[str, Callable[[dict], list[dict]]] = {
             "openai": self._openai,
             "sharegpt": self._sharegpt,
@@ -124,11 +128,33 @@ class Normalizer:
         renamed = dict((canon, name) for name, canon in self._renames)
         return {renamed.get(k, k) for k in TOP_FIELDS}
 
+    @property
+    def seen(self) -> dict[str, int]:
+        """Rows read of each format: what ``auto`` detected."""
+        seen = Counter(self._seen)
+        if self.plain_rows:
+            seen["openai"] += self.plain_rows
+        return {k: seen[k] for k in _MARKS if seen[k]}
+
     def unseen(self) -> list[tuple[str, str]]:
         """``(key, data name)`` of each rename no row read so far had."""
         return [(canon, name) for name, canon in self._renames if name not in self._found]
 
     def __call__(self, row: object) -> list[dict]:
+        if row.__class__ is dict and self._plain and "messages" in row and (len(row) == 1 or not (
+            "conversations" in row or "prompt" in row or "completion" in row
+            or "instruction" in row or "output" in row
+        )):
+            # the common case (an OpenAI row, format auto or openai, nothing renamed) in as
+            # few calls as can be: this runs for every row
+            messages = _turns(row["messages"], "messages", ("role", "content"), ("from", "value"))
+            self.plain_rows += 1  # seen["openai"], counted apart: cheaper
+            if messages[-1]["role"] == "assistant":
+                return messages
+            return _ends_with_assistant(messages)
+        return self._any(row)
+
+    def _any(self, row: object) -> list[dict]:
         if not isinstance(row, dict):
             raise BadRow(
                 f"the row is a JSON {kind_of(row)}, not an object",
@@ -142,7 +168,7 @@ class Normalizer:
                     self._found.add(name)
         format = self.format if self.format != "auto" else _detect(row)
         messages = self._parse[format](row)
-        self.seen[format] = self.seen.get(format, 0) + 1
+        self._seen[format] += 1
         return _ends_with_assistant(messages)
 
     def _openai(self, row: dict) -> list[dict]:

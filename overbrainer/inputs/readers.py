@@ -222,6 +222,11 @@ def _batch_rows(batches, name: str, fix: str, first: int = 0) -> Iterator[tuple[
     number = first
     try:
         for batch in batches:
+            if not any(column.null_count for column in batch.columns):
+                for row in batch.to_pylist():
+                    number += 1
+                    yield number, row
+                continue
             for row in batch.to_pylist():
                 number += 1
                 # a null cell is an absent key: a file may hold several formats' columns
