@@ -31,9 +31,17 @@ __all__ = ["RunFolder", "runs_root", "cache_root", "default_name", "RUNS_ENV"]
 RUNS_ENV = "OVERBRAINER_RUNS"
 
 
-def runs_root() -> Path:
-    """Where run folders live: ``$OVERBRAINER_RUNS``, else ``runs/`` where the command runs."""
-    return Path(os.environ.get(RUNS_ENV) or "runs").absolute()
+def runs_root(given: str | os.PathLike | None = None) -> Path:
+    """Where run folders live: `given` (``--runs``), else ``$OVERBRAINER_RUNS``, else
+    ``runs/`` where the command runs. A file there is refused in one line."""
+    root = Path(given or os.environ.get(RUNS_ENV) or "runs").absolute()
+    if root.exists() and not root.is_dir():
+        from .errors import FileProblem
+
+        said = "--runs" if given else (f"${RUNS_ENV}" if os.environ.get(RUNS_ENV) else "the runs folder")
+        raise FileProblem(root, f"is a file, not a folder ({said}: where run folders go)",
+                          "give a folder's path (it is made if missing)")
+    return root
 
 
 def cache_root() -> Path:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ..plan import Plan
     from ..remembered import Remembered
 
-__all__ = ["Bake", "compile_bake", "run_bake", "dry_run", "would_run", "doit_config"]
+__all__ = ["Bake", "compile_bake", "run_bake", "exit_code", "dry_run", "would_run", "doit_config"]
 
 
 @dataclass
@@ -46,6 +46,8 @@ class Bake:
     error: BaseException | None = None
     tell_errors: bool = False  # the doit reporter prints the error (under `doit`, no CLI)
     record: object | None = None  # the Run whose run.json this bake keeps, while it runs
+    stages: list[list[str]] = field(default_factory=list)  # [step, why] of each step begun, in order
+    signalled: int | None = None  # SIGINT or SIGTERM asked this process to stop (the exit code says so)
     plan_bytes: bytes | None = None  # what the plan file held when it was read
 
     @property
@@ -77,7 +79,7 @@ class Bake:
 
 def compile_bake(plan_path: str | os.PathLike, runs: str | os.PathLike | None = None, **options) -> Bake:
     plan_path = Path(plan_path).absolute()
-    root = Path(runs).absolute() if runs else runs_root()
+    root = runs_root(runs)
     plan, raw = load_plan(plan_path, root)
     shown_plan = os.path.relpath(plan_path) if not str(plan_path).startswith("..") else str(plan_path)
     data_paths = []
@@ -114,9 +116,10 @@ def doit_config(bake: Bake) -> dict:
     }
 
 
-def run_bake(bake: Bake, task: str = "train") -> int:
-    """Run the graph (or the part of it up to `task`, e.g. ``train:split``) in this process,
-    keeping run.json. Returns doit's exit code; what went wrong is on ``bake.error``.
+def run_bake(bake: Bake, task: str | list[str] = "train") -> int:
+    """Run the graph (or the parts of it up to `task`, e.g. ``train:split``) in this process,
+    keeping run.json. Returns the exit code that the attempt in run.json records (see
+    `exit_code`); what went wrong is on ``bake.error``.
 
     The run folder's lock is taken before anything is written: a second bake of the same
     folder fails at once (`AlreadyRunning`) and never touches the first one's files.
@@ -125,26 +128,27 @@ def run_bake(bake: Bake, task: str = "train") -> int:
     from doit.doit_cmd import DoitMain
 
     from ..runtime.run import Run
-    from .tasks import doit_tasks
 
     bake.folder.root.mkdir(parents=True, exist_ok=True)
     if bake.plan_bytes is not None and hasattr(bake.plan, "model_copy"):
         remember(bake.plan_path, bake.plan_bytes, bake.plan, bake.folder.root)  # a folder new for this plan
     with _exclusive(bake.folder):
+        bake.folder.stop_request.unlink(missing_ok=True)  # a stop asked of an earlier bake
+        if task != "train":  # a part of the graph (`overbrainer split`): run.json is the whole bake's
+            return DoitMain(ModuleTaskLoader(_namespace(bake))).run(["run", *([task] if isinstance(task, str) else task)])
         record = Run(bake.folder.root)
         attempts = record._read().get("attempts", [])
         attempt = {"start": now(), "pid": os.getpid()}
-        bake.folder.stop_request.unlink(missing_ok=True)
         from ..runtime.run import this_process
 
         record.update(
             state="starting", where="here", plan_file=str(bake.plan_path), process=this_process(),
             reason=None, result=None, attempts=[*attempts, attempt],
+            task=None, why=None, stages=[], step=None, steps=None,  # nothing of the last attempt's progress
         )
         bake.record = record
         try:
-            namespace = {"task_train": lambda: doit_tasks(bake), "DOIT_CONFIG": doit_config(bake)}
-            code = DoitMain(ModuleTaskLoader(namespace)).run(["run", task])
+            code = DoitMain(ModuleTaskLoader(_namespace(bake))).run(["run", task])
         except BaseException as e:  # Ctrl-C twice, or a bug: the record must say so
             bake.error = bake.error or e
             code = 1
@@ -152,6 +156,7 @@ def run_bake(bake: Bake, task: str = "train") -> int:
         finally:
             state, reason, kind = outcome(bake.error)
             log_tail = getattr(bake.error, "log_tail", "") or ""
+            code = exit_code(state, kind, bake.error, bake.signalled)
             attempt.update(end=now(), exit=code, reason=reason or state)
             record.update(
                 state=state, reason=reason, attempts=[*attempts, attempt],
@@ -160,6 +165,13 @@ def run_bake(bake: Bake, task: str = "train") -> int:
             )
             bake.record = None
         return code
+
+
+def _namespace(bake: Bake) -> dict:
+    """What doit loads: the bake's tasks and its configuration (dodo.py's, for `run_bake`)."""
+    from .tasks import doit_tasks
+
+    return {"task_train": lambda: doit_tasks(bake), "DOIT_CONFIG": doit_config(bake)}
 
 
 def outcome(error: BaseException | None) -> tuple[str, str | None, str | None]:
@@ -175,6 +187,21 @@ def outcome(error: BaseException | None) -> tuple[str, str | None, str | None]:
     if isinstance(error, KeyboardInterrupt):
         return "failed", "interrupted", "run"
     return "failed", str(error) or type(error).__name__, "run"
+
+
+def exit_code(state: str, kind: str | None, error: BaseException | None, signalled: int | None) -> int:
+    """The exit code of a bake that ended in `state`: 0 done or stopped on request, 1 the
+    run failed, 2 its input is wrong; 130 (SIGINT, Ctrl-C) or 143 (SIGTERM) when a signal
+    stopped it, as a shell expects (128 + the signal's number)."""
+    import signal
+
+    if isinstance(error, KeyboardInterrupt):
+        return 128 + signal.SIGINT
+    if signalled is not None and state != "done":
+        return 128 + signalled
+    if state in ("done", "stopped"):
+        return 0
+    return 2 if kind == "input" else 1
 
 
 def dry_run(bake: Bake) -> list[dict]:

@@ -11,6 +11,8 @@
       "where": "here",
       "plan_file": "/abs/plans/demo.json",
       "process": {"pid": 4242, "create_time": 1733150000.12, "host": "box"},
+      "task": "train", "why": "not done yet",   # the step of the graph under way, and why it runs
+      "stages": [["split", "not done yet"], ["train", "not done yet"]],  # each step begun, this attempt
       "step": 18, "steps": 54,
       "reason": null,              # why it is stopped or failed, in words
       "result": {"ran": [...], "skipped": [...], "error": null, "kind": null},
@@ -279,12 +281,14 @@ class Run:
         return "\n".join(text.splitlines()[-lines:])
 
     def progress(self) -> dict:
-        """Where it is now: state, step of steps, the last loss and eval loss, seconds so
-        far and eta (seconds left, from the pace of the last steps)."""
+        """Where it is now: state, the step of the graph under way (`task`; `stages`: each
+        step begun in this attempt and why, ``[["config", "train.lr: ..."], ...]``), step of steps, the last loss and eval loss, seconds so far and eta (seconds
+        left, from the pace of the last steps)."""
         status = self.status
         records = [r for r in self.records() if "step" in r]
         steps = status.get("steps") or _steps_from_config(self.folder.config)
-        out = {"state": status["state"], "step": 0, "steps": steps, "loss": None, "eval_loss": None,
+        out = {"state": status["state"], "task": status.get("task"), "stages": status.get("stages") or [],
+               "step": 0, "steps": steps, "loss": None, "eval_loss": None,
                "seconds": 0.0, "eta": None, "tokens_per_second": None}
         if records:
             last = records[-1]
@@ -383,7 +387,7 @@ def launch(plan_file: str | os.PathLike, folder: RunFolder) -> subprocess.Popen:
 
 def runs(root: str | os.PathLike | None = None) -> list[Run]:
     """Every run under the runs folder, by name."""
-    root = Path(root).absolute() if root else runs_root()
+    root = runs_root(root)
     if not root.is_dir():
         return []
     return [Run(p) for p in sorted(root.iterdir()) if (p / "plan.json").is_file() or (p / "run.json").is_file()]

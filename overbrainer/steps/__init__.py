@@ -92,6 +92,9 @@ def execute(bake: Bake, module: ModuleType) -> bool:
     # whatever its partial outputs look like
     stamp_path.unlink(missing_ok=True)
     bake.say(f"{module.NAME}: {status.reason}")
+    # what a follower shows: every step begun in this attempt, with why, and the one under way
+    bake.stages.append([module.NAME, status.reason])
+    bake.tell(task=module.NAME, why=status.reason, stages=bake.stages)
     bake.validate()
     out = module.run(bake, status.inputs)
     from ..stamps import manifest
