@@ -65,7 +65,8 @@ def model_folder(name: str) -> Path:
     os.environ.setdefault("OVERBRAINER_CACHE", str(work_dir("cache")))
     if Path(WHEELHOUSE).is_dir():
         os.environ.setdefault("OVERBRAINER_WHEELHOUSE", WHEELHOUSE)
-    from overbrainer.inputs.base_model import materialize, parse_base
+    from overbrainer.inputs.base_cache import materialize
+    from overbrainer.inputs.base_model import parse_base
 
     return materialize(parse_base("smollm2-135m-instruct", Path(".")), log=lambda m: print(m, flush=True))
 
@@ -345,7 +346,7 @@ def profile_builtin(run: Path, threads: int, steps: int, torch_profile: bool = T
         "import sys, torch\n"
         f"torch.set_num_threads({threads})\n"
         "from pathlib import Path\n"
-        "from overbrainer.trainers import loop\n"
+        "from overbrainer.trainers.builtin import loop\n"
         "with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:\n"
         f"    loop.train(Path({str(run / 'config.yaml')!r}))\n"
         "print(prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=22, max_name_column_width=50))\n"

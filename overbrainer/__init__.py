@@ -16,7 +16,7 @@ Heavy libraries (torch, transformers) load only when a model is loaded or traine
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["bake", "run", "runs", "Run", "Model", "__version__"]
 
@@ -28,7 +28,7 @@ def bake(plan, wait: bool = False, runs=None, show: bool = True):
     from .graph.driver import compile_bake
     from .runtime.run import start_unless_done
 
-    handle = start_unless_done(compile_bake(plan, runs=runs, quiet=True)).run
+    handle = start_unless_done(compile_bake(plan, runs=runs)).run
     return handle.wait(show=show) if wait else handle
 
 

@@ -129,7 +129,7 @@ def outputs_in(folder: Path) -> set[str]:
 def compile_here(plan: Path, runs: Path):
     from overbrainer.graph.driver import compile_bake
 
-    return compile_bake(plan, runs=runs, quiet=True)
+    return compile_bake(plan, runs=runs)
 
 
 @pytest.mark.parametrize("how", ["tar", "cp"])
@@ -145,9 +145,10 @@ def test_restored_run_reruns_nothing_and_reads_no_weights(finished, tmp_path, mo
     with Reads(monkeypatch) as reads:
         rows = dry_run(compile_here(finished.plan, tmp_path / "runs"))
         bake = compile_here(finished.plan, tmp_path / "runs")
-        assert run_bake(bake) == 0, bake.error
+        done = run_bake(bake)
+        assert done.code == 0, done.error
     assert [r for r in rows if r["run"]] == []
-    assert bake.ran == [] and sorted(bake.skipped) == sorted(finished.report["ran"])
+    assert done.ran == [] and sorted(done.skipped) == sorted(finished.report["ran"])
     assert reads.hashed == [], "a restored run with its mtimes kept hashes nothing"
     assert reads.weights() == []
     assert not [p for p in reads.opened if p.startswith(str(folder / "checkpoints"))]

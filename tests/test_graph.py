@@ -109,7 +109,7 @@ def test_graph_of_a_plan_never_baked(tmp_path):
 
 def test_graph_done_stale_running(finished, tmp_path):
     from overbrainer import Run
-    from overbrainer.runtime.run import this_process
+    from overbrainer.journal import this_process
 
     folder = finished.restore(tmp_path / "runs")
     assert statuses(finished.plan) == dict.fromkeys(STEPS, "done")
@@ -231,7 +231,7 @@ def test_why_an_output_and_the_code(finished, tmp_path, monkeypatch):
     from overbrainer.steps import split
 
     monkeypatch.setattr(split, "VERSION", split.VERSION + 1)
-    states = {s.step: s for s in explain.why(compile_bake(finished.plan, quiet=True))}
+    states = {s.step: s for s in explain.why(compile_bake(finished.plan))}
     assert states["split"].changes == [{"kind": "code", "field": "version", "old": split.VERSION - 1, "new": split.VERSION}]
     assert states["split"].reruns == ["config", "train", "merge", "bake"]
 

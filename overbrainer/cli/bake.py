@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ..errors import OverbrainerError
+from ..folder import RunFolder
 from .common import shown
 
 
@@ -23,6 +24,8 @@ def add_parsers(sub) -> None:
     mode.add_argument("--detach", action="store_true", help="start the run in its own process and return at once")
     mode.add_argument("--foreground", action="store_true", help="run in this process (what CI and doit want)")
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
+    # the bake as the process that launched this one compiled it (JSON on stdin)
+    p.add_argument("--compiled", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bake)
 
     p = sub.add_parser("split", help="the split step alone: examples.parquet, to look at before training")
@@ -35,7 +38,13 @@ def cmd_bake(args) -> int:
     from ..graph.driver import compile_bake, dry_run
 
     out = sys.stderr if args.json else sys.stdout
-    bake = compile_bake(args.plan, runs=args.runs, out=out, quiet=args.quiet)
+    say = None if args.quiet else (lambda message: print(message, file=out, flush=True))
+    if args.compiled == "-" and args.foreground:
+        from ..steps.context import Bake
+
+        bake = Bake.from_handoff(json.load(sys.stdin), **({"say": say} if say else {}))
+    else:
+        bake = compile_bake(args.plan, runs=args.runs, say=say)
     report = {"folder": str(bake.folder.root), "plan": bake.plan.name}
     if args.check:
         return _bake_check(bake, report, args.json, out)
@@ -54,7 +63,7 @@ def cmd_bake(args) -> int:
             print(json.dumps({**report, "steps": rows, "would_run": [r["step"] for r in rows if r["run"]], **extra}))
         return 0
     if args.foreground:
-        return _bake_here(bake, report, args.json, out)
+        return _bake_here(bake, report, args.json, out, args.quiet)
     return _bake_detached(bake, report, args, out)
 
 
@@ -65,20 +74,19 @@ def cmd_split(args) -> int:
     from ..stamps import read_stamp
 
     out = sys.stderr if args.json else sys.stdout
-    bake = compile_bake(args.plan, runs=args.runs, out=out)
-    bake.folder.root.mkdir(parents=True, exist_ok=True)
-    run_bake(bake, task=["train:resolve", "train:split"])  # plan.json too: `status` shows it planned
-    if bake.error is not None:
-        raise bake.error
+    bake = compile_bake(args.plan, runs=args.runs, say=lambda message: print(message, file=out, flush=True))
+    done = run_bake(bake, task=["train:resolve", "train:split"])  # plan.json too: `status` shows it planned
+    if done.error is not None:
+        raise done.error
     summary = read_stamp(bake.folder.stamp("split")).summary
-    if "split" in bake.skipped:
+    if "split" in done.skipped:
         print("split: up to date", file=out)
     where = shown(bake.folder.root)
     print(f"examples: {shown(bake.folder.examples)} ({summary['train']} train, {summary['validation']} validation); "
           f"`overbrainer examples {where}` shows a few", file=out)
     if args.json:
         print(json.dumps({"folder": str(bake.folder.root), "examples": str(bake.folder.examples),
-                          "ran": bake.ran, **{k: summary[k] for k in ("rows", "train", "validation", "duplicates")}}))
+                          "ran": done.ran, **{k: summary[k] for k in ("rows", "train", "validation", "duplicates")}}))
     return 0
 
 
@@ -96,31 +104,32 @@ def _bake_check(bake, report: dict, as_json: bool, out) -> int:
     return 1 if rows else 0
 
 
-def _bake_here(bake, report: dict, as_json: bool, out) -> int:
+def _bake_here(bake, report: dict, as_json: bool, out, quiet: bool) -> int:
     """The bake in this process. Ctrl-C (or SIGTERM) asks the trainer to save and stop;
     a second Ctrl-C abandons at once."""
     import signal
 
-    from ..graph.driver import run_bake
+    from ..graph.driver import Outcome, run_bake
 
     asked = []
+    done = Outcome()
 
     def ask_stop(signum, frame):
         if asked and signum == signal.SIGINT:
             raise KeyboardInterrupt
         asked.append(signum)
-        bake.signalled = bake.signalled or signum
+        done.signalled = done.signalled or signum  # the exit code says so: 130 or 143
         bake.folder.stop_request.write_text("signal\n")
         bake.say("stopping at the next step, with a checkpoint (Ctrl-C again to abandon)")
 
     signal.signal(signal.SIGINT, ask_stop)
     signal.signal(signal.SIGTERM, ask_stop)
     try:
-        run_bake(bake)
+        run_bake(bake, done=done)
     except OverbrainerError:
         raise  # AlreadyRunning: nothing of this folder was touched
-    report.update(ran=bake.ran, skipped=bake.skipped)
-    return finish(bake.folder.root, report, as_json, out, bake.quiet)
+    report.update(ran=done.ran, skipped=done.skipped)
+    return finish(bake.folder.root, report, as_json, out, quiet)
 
 
 def _bake_detached(bake, report: dict, args, out) -> int:
@@ -163,15 +172,15 @@ def finish(folder: Path, report: dict, as_json: bool, out, quiet: bool) -> int:
     state = status["state"]
     report["state"] = state
     if state == "done":
-        report["baked"] = str(Path(folder) / "baked")
+        report["baked"] = str(RunFolder(Path(folder)).baked)
         if not quiet:
-            where = shown(Path(folder) / "baked")
+            where = shown(RunFolder(Path(folder)).baked)
             print(f"baked: {where}" if report["ran"] else f"everything is up to date: {where}", file=out)
         return _done(report, as_json, out, folder, quiet)
     reason = status.get("reason") or state
     if state == "failed":
         kind = result.get("kind") or "run"
-        where = None if kind == "input" else str(Path(folder) / "log.txt")
+        where = None if kind == "input" else str(RunFolder(Path(folder)).log)
         report["error"] = {"kind": kind, "message": reason, "where": where}
     else:
         report["message"] = reason

@@ -28,7 +28,7 @@ def cmd_graph(args) -> int:
     from ..graph import explain
     from ..graph.driver import compile_bake
 
-    bake = compile_bake(args.plan, runs=args.runs, quiet=True)
+    bake = compile_bake(args.plan, runs=args.runs)
     states = explain.steps() if args.no_status else explain.survey(bake)
     if args.json:
         print(json.dumps(explain.as_json(bake, states, outs=args.outs), indent=1))
@@ -44,7 +44,7 @@ def cmd_why(args) -> int:
     from ..graph import explain
     from ..graph.driver import compile_bake
 
-    bake = compile_bake(args.plan, runs=args.runs, quiet=True)
+    bake = compile_bake(args.plan, runs=args.runs)
     states = explain.why(bake, args.step)
     if args.json:
         report = {"plan": bake.plan.name, "folder": str(bake.folder.root), "steps": [asdict(s) for s in states]}

@@ -179,7 +179,7 @@ def _cell(value) -> str:
 def cmd_log(args) -> int:
     import time
 
-    from ..runtime.run import ACTIVE
+    from ..journal import ACTIVE
 
     run = find_run(args.run, args.runs)
     text = run.log(args.lines)

@@ -1,125 +1,50 @@
-"""A bake: a plan compiled for its run folder, and doit running its graph.
+"""Running a compiled bake: doit runs its graph in this process, one bake per run folder
+at a time, keeping run.json; and telling what would run, without running it.
 
-`compile_bake` validates everything that can be checked without work (the plan, that its
-data files and base exist) so that a bad input fails before a run folder is even made.
-`run_bake` runs the graph with doit, one bake per run folder at a time, and returns what
-ran and what was already done.
+`run_bake` returns an `Outcome` (what ran, what was already done, the error); the steps it
+runs are given the `steps.context.Bake` and never see the outcome.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
 
+from .. import journal
 from ..errors import OverbrainerError, RunStateError
-from ..folder import RunFolder, runs_root
-from ..hashing import HashCache
-from ..inputs.base_model import BaseSpec, parse_base
+from ..folder import RunFolder
+from ..fsio import Busy, exclusive
 from ..portable.common import now
-from ..remembered import load as load_plan
-from ..remembered import remember, validated
+from ..remembered import Remembered, remember
+from ..steps.context import Bake
+from .compile import compile_bake
+from .tasks import Outcome
 
-if TYPE_CHECKING:
-    from ..plan import Plan
-    from ..remembered import Remembered
-
-__all__ = ["Bake", "compile_bake", "run_bake", "exit_code", "dry_run", "would_run", "doit_config"]
-
-
-@dataclass
-class Bake:
-    """Everything the steps read: the validated plan, where things are, and what happened."""
-
-    plan: Plan | Remembered  # Remembered on paths that only check; `validate` makes it the models
-    plan_path: Path
-    folder: RunFolder
-    base: BaseSpec
-    data_paths: list[Path]
-    hashes: HashCache
-    out: TextIO = field(default_factory=lambda: sys.stdout)
-    quiet: bool = False
-    ran: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    error: BaseException | None = None
-    tell_errors: bool = False  # the doit reporter prints the error (under `doit`, no CLI)
-    record: object | None = None  # the Run whose run.json this bake keeps, while it runs
-    stages: list[list[str]] = field(default_factory=list)  # [step, why] of each step begun, in order
-    signalled: int | None = None  # SIGINT or SIGTERM asked this process to stop (the exit code says so)
-    plan_bytes: bytes | None = None  # what the plan file held when it was read
-
-    @property
-    def plan_dir(self) -> Path:
-        return self.plan_path.parent
-
-    def shown(self, path: Path) -> str:
-        """A path as the user wrote it: relative to where the command runs, when inside it."""
-        try:
-            return os.path.relpath(path)
-        except ValueError:
-            return str(path)
-
-    def validate(self) -> None:
-        """The plan as its models, for a step about to run work (see ``remembered``)."""
-        if not hasattr(self.plan, "model_copy"):
-            # from the bytes the checks were made on, not the file as it may be now
-            self.plan = validated(self.plan_path, self.plan_bytes)
-
-    def say(self, message: str) -> None:
-        if not self.quiet:
-            print(message, file=self.out, flush=True)
-
-    def tell(self, **fields) -> None:
-        """Record progress in run.json (state, step, steps), when a run record is kept."""
-        if self.record is not None:
-            self.record.update(**fields)
+__all__ = ["Outcome", "run_bake", "exit_code", "dry_run", "would_run", "doit_config", "memory_estimate", "outcome", "AlreadyRunning",
+           "compile_bake"]
 
 
-def compile_bake(plan_path: str | os.PathLike, runs: str | os.PathLike | None = None, **options) -> Bake:
-    plan_path = Path(plan_path).absolute()
-    root = runs_root(runs)
-    plan, raw = load_plan(plan_path, root)
-    shown_plan = os.path.relpath(plan_path) if not str(plan_path).startswith("..") else str(plan_path)
-    data_paths = []
-    for i, rel in enumerate(plan.data_files):
-        path = (plan_path.parent / rel).expanduser().absolute()
-        field_name = "data" if isinstance(plan.data, str) else f"data[{i}]"
-        if not path.is_file():
-            what = "is a folder" if path.is_dir() else "no such file"
-            raise OverbrainerError(
-                f"{shown_plan}: {field_name}: {rel!r} {what} (paths are relative to the plan file); fix the path"
-            )
-        data_paths.append(path)
-    base = parse_base(plan.base, plan_path.parent)
-    folder = RunFolder(root / plan.name)
-    return Bake(
-        plan=plan,
-        plan_path=plan_path,
-        folder=folder,
-        base=base,
-        data_paths=data_paths,
-        hashes=HashCache(folder.hash_cache),
-        plan_bytes=raw,
-        **options,
-    )
-
-
-def doit_config(bake: Bake) -> dict:
+def doit_config(bake: Bake, done: Outcome, tell_errors: bool = False) -> dict:
+    """doit's settings for a bake: its database in the run folder, and a reporter that
+    speaks in steps (`tell_errors`: it prints the error too, as under ``doit`` alone)."""
     return {
         "dep_file": str(bake.folder.doit_db),
         "backend": "sqlite3",
         "default_tasks": ["train"],
-        "reporter": _reporter(bake),
+        "reporter": _reporter(bake, done, tell_errors),
         "verbosity": 2,
     }
 
 
-def run_bake(bake: Bake, task: str | list[str] = "train") -> int:
+def run_bake(bake: Bake, task: str | list[str] = "train", done: Outcome | None = None) -> Outcome:
     """Run the graph (or the parts of it up to `task`, e.g. ``train:split``) in this process,
-    keeping run.json. Returns the exit code that the attempt in run.json records (see
-    `exit_code`); what went wrong is on ``bake.error``.
+    keeping run.json; what it did goes into `done` (a signal handler may mark it
+    `signalled`). The attempt run.json records has the exit code `exit_code` gives.
+
+    A part of the graph (``overbrainer split``) keeps no record: run.json is the whole
+    bake's.
 
     The run folder's lock is taken before anything is written: a second bake of the same
     folder fails at once (`AlreadyRunning`) and never touches the first one's files.
@@ -127,66 +52,57 @@ def run_bake(bake: Bake, task: str | list[str] = "train") -> int:
     from doit.cmd_base import ModuleTaskLoader
     from doit.doit_cmd import DoitMain
 
-    from ..runtime.run import Run
-
-    bake.folder.root.mkdir(parents=True, exist_ok=True)
-    if bake.plan_bytes is not None and hasattr(bake.plan, "model_copy"):
-        remember(bake.plan_path, bake.plan_bytes, bake.plan, bake.folder.root)  # a folder new for this plan
-    with _exclusive(bake.folder):
-        bake.folder.stop_request.unlink(missing_ok=True)  # a stop asked of an earlier bake
-        if task != "train":  # a part of the graph (`overbrainer split`): run.json is the whole bake's
-            return DoitMain(ModuleTaskLoader(_namespace(bake))).run(["run", *([task] if isinstance(task, str) else task)])
-        record = Run(bake.folder.root)
-        attempts = record._read().get("attempts", [])
-        attempt = {"start": now(), "pid": os.getpid()}
-        from ..runtime.run import this_process
-
-        record.update(
-            state="starting", where="here", plan_file=str(bake.plan_path), process=this_process(),
-            reason=None, result=None, attempts=[*attempts, attempt],
-            task=None, why=None, stages=[], step=None, steps=None,  # nothing of the last attempt's progress
-        )
-        bake.record = record
-        try:
-            code = DoitMain(ModuleTaskLoader(_namespace(bake))).run(["run", task])
-        except BaseException as e:  # Ctrl-C twice, or a bug: the record must say so
-            bake.error = bake.error or e
-            code = 1
-            raise
-        finally:
-            state, reason, kind = outcome(bake.error)
-            log_tail = getattr(bake.error, "log_tail", "") or ""
-            code = exit_code(state, kind, bake.error, bake.signalled)
-            attempt.update(end=now(), exit=code, reason=reason or state)
-            record.update(
-                state=state, reason=reason, attempts=[*attempts, attempt],
-                result={"ran": bake.ran, "skipped": bake.skipped, "error": reason if bake.error else None,
-                        "kind": kind, "log_tail": log_tail},
-            )
-            bake.record = None
-        return code
-
-
-def _namespace(bake: Bake) -> dict:
-    """What doit loads: the bake's tasks and its configuration (dodo.py's, for `run_bake`)."""
     from .tasks import doit_tasks
 
-    return {"task_train": lambda: doit_tasks(bake), "DOIT_CONFIG": doit_config(bake)}
+    folder = bake.folder
+    folder.root.mkdir(parents=True, exist_ok=True)
+    if bake.plan_bytes is not None and not isinstance(bake.plan, Remembered):
+        remember(bake.plan_path, bake.plan_bytes, bake.plan, folder.root)  # a folder new for this plan
+    done = done if done is not None else Outcome()
+    with _one_bake(folder):
+        folder.stop_request.unlink(missing_ok=True)  # a stop asked of an earlier bake
+        bake.checked.clear()
+        if task != "train":
+            namespace = {"task_train": lambda: doit_tasks(bake, done), "DOIT_CONFIG": doit_config(bake, done)}
+            done.code = DoitMain(ModuleTaskLoader(namespace)).run(["run", *([task] if isinstance(task, str) else task)])
+            return done
+        attempts = journal.read(folder).get("attempts", [])
+        attempt = {"start": now(), "pid": os.getpid()}
+        journal.update(folder, state="starting", where="here", plan_file=str(bake.plan_path),
+                       process=journal.this_process(), reason=None, result=None, attempts=[*attempts, attempt],
+                       task=None, stages=[], step=None, steps=None)  # nothing of an earlier attempt's progress
+        untold, bake.tell = bake.tell, _teller(folder)
+        try:
+            namespace = {"task_train": lambda: doit_tasks(bake, done), "DOIT_CONFIG": doit_config(bake, done)}
+            done.code = DoitMain(ModuleTaskLoader(namespace)).run(["run", task])
+        except BaseException as e:  # Ctrl-C twice, or a bug: the record must say so
+            done.error = done.error or e
+            done.code = 1
+            raise
+        finally:
+            state, reason, kind = outcome(done.error)
+            log_tail = getattr(done.error, "log_tail", "") or ""
+            done.code = exit_code(state, kind, done.error, done.signalled)
+            attempt.update(end=now(), exit=done.code, reason=reason or state)
+            journal.update(folder, state=state, reason=reason, attempts=[*attempts, attempt],
+                           result={"ran": done.ran, "skipped": done.skipped, "error": reason if done.error else None,
+                                   "kind": kind, "log_tail": log_tail})
+            bake.tell = untold
+    return done
 
 
-def outcome(error: BaseException | None) -> tuple[str, str | None, str | None]:
-    """The run state an error ends a bake in, its reason, and its kind (input or run)."""
-    from ..errors import RunStopped
+def _teller(folder: RunFolder):
+    """A bake's `tell`: progress into run.json; a step that begins (``task`` with ``why``)
+    is added to this attempt's ``stages`` too, for a follower that polls between two."""
+    stages: list[list[str]] = []
 
-    if error is None:
-        return "done", None, None
-    if isinstance(error, RunStopped):
-        return "stopped", str(error), None
-    if isinstance(error, OverbrainerError):
-        return "failed", str(error), "input"
-    if isinstance(error, KeyboardInterrupt):
-        return "failed", "interrupted", "run"
-    return "failed", str(error) or type(error).__name__, "run"
+    def tell(**fields) -> None:
+        if "why" in fields:
+            stages.append([fields["task"], fields.pop("why")])
+            fields["stages"] = stages
+        journal.update(folder, **fields)
+
+    return tell
 
 
 def exit_code(state: str, kind: str | None, error: BaseException | None, signalled: int | None) -> int:
@@ -202,6 +118,21 @@ def exit_code(state: str, kind: str | None, error: BaseException | None, signall
     if state in ("done", "stopped"):
         return 0
     return 2 if kind == "input" else 1
+
+
+def outcome(error: BaseException | None) -> tuple[str, str | None, str | None]:
+    """The run state an error ends a bake in, its reason, and its kind (input or run)."""
+    from ..errors import RunStopped
+
+    if error is None:
+        return "done", None, None
+    if isinstance(error, RunStopped):
+        return "stopped", str(error), None
+    if isinstance(error, OverbrainerError):
+        return "failed", str(error), "input"
+    if isinstance(error, KeyboardInterrupt):
+        return "failed", "interrupted", "run"
+    return "failed", str(error) or type(error).__name__, "run"
 
 
 def dry_run(bake: Bake) -> list[dict]:
@@ -253,42 +184,18 @@ class AlreadyRunning(RunStateError):
     """Another process bakes this run folder."""
 
 
-class _exclusive:
-    """One bake per run folder: an OS lock on ``.lock``, released when the process ends,
-    however it ends (a dead process cannot hold it)."""
-
-    def __init__(self, folder: RunFolder):
-        self.folder = folder
-
-    def __enter__(self):
-        import fcntl
-
-        self.fd = os.open(self.folder.lock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            holder = _lock_holder(self.folder.lock)
-            raise AlreadyRunning(
-                f"{self.folder.root}: already being baked{holder}; follow it with `overbrainer wait`, or stop it"
-            ) from None
-        os.ftruncate(self.fd, 0)
-        os.write(self.fd, str(os.getpid()).encode())
-        return self
-
-    def __exit__(self, *exc):
-        os.close(self.fd)
-
-
-def _lock_holder(lock: Path) -> str:
+@contextmanager
+def _one_bake(folder: RunFolder) -> Iterator[None]:
+    """One bake per run folder: its ``.lock``, held for the bake (``fsio.exclusive``)."""
     try:
-        pid = lock.read_text().strip()
-        return f" by process {pid}" if pid else ""
-    except OSError:
-        return ""
+        with exclusive(folder.lock):
+            yield
+    except Busy as e:
+        holder = f" by process {e.holder}" if e.holder else ""
+        raise AlreadyRunning(f"{folder.root}: already being baked{holder}; follow it with `overbrainer wait`, or stop it") from None
 
 
-def _reporter(bake: Bake):
+def _reporter(bake: Bake, done: Outcome, tell_errors: bool):
     """A doit reporter that speaks in steps and leaves error messages to the caller."""
     from doit.reporter import ConsoleReporter
 
@@ -300,20 +207,20 @@ def _reporter(bake: Bake):
 
         def skip_uptodate(self, task):
             if ":" in task.name:
-                bake.skipped.append(task.name.split(":", 1)[1])
+                done.skipped.append(task.name.split(":", 1)[1])
 
         def skip_ignore(self, task):
             pass
 
         def add_failure(self, task, fail):
-            if bake.error is None:  # a failure doit found itself, not one of a step's
-                bake.error = OverbrainerError(f"{task.name}: {fail.get_msg().strip().splitlines()[-1]}")
+            if done.error is None:  # a failure doit found itself, not one of a step's
+                done.error = OverbrainerError(f"{task.name}: {fail.get_msg().strip().splitlines()[-1]}")
 
         def complete_run(self):
             # a step's error is told once, as one line: by the CLI, or here under `doit`
-            if bake.error is not None and bake.tell_errors:
-                self.write(f"error: {bake.error}\n")
-                tail = getattr(bake.error, "log_tail", "")
+            if done.error is not None and tell_errors:
+                self.write(f"error: {done.error}\n")
+                tail = getattr(done.error, "log_tail", "")
                 if tail:
                     self.write(tail + "\n")
             if self.runtime_errors:

@@ -31,7 +31,7 @@ from ..stamps import input_changes, read_stamp, short
 from .tasks import DEPS, STEPS, downstream
 
 if TYPE_CHECKING:
-    from .driver import Bake
+    from ..steps.context import Bake
 
 __all__ = ["StepState", "STATUSES", "FORMATS", "steps", "survey", "why", "why_text", "render", "as_json"]
 
@@ -90,10 +90,10 @@ def _in_progress(bake: Bake) -> str | None:
     """The step a live bake of this folder is doing now, if one is under way."""
     if not bake.folder.run_json.exists():
         return None
-    from ..runtime.run import ACTIVE, Run
+    from .. import journal
 
-    status = Run(bake.folder.root).status  # a process that died is not shown as running
-    if status.get("state") not in ACTIVE:
+    status = journal.status(bake.folder)  # a process that died is not shown as running
+    if status.get("state") not in journal.ACTIVE:
         return None
     if status.get("task") in DEPS:
         return status["task"]

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .run import Run
+from typing import Protocol
 
 __all__ = ["follow", "describe"]
+
+
+class Followed(Protocol):
+    """What following needs of a run (`run.Run` has it)."""
+
+    def progress(self) -> dict: ...
 
 
 def describe(p: dict) -> str:
@@ -41,14 +44,14 @@ def _duration(seconds: float) -> str:
     return f"{seconds}s"
 
 
-def follow(run: Run, poll: float = 0.5, show: bool = True, out=None) -> str:
+def follow(run: Followed, poll: float = 0.5, show: bool = True, out=None) -> str:
     """Follow `run` until it is no longer active; return its final state.
 
     Each step of the graph gets a line when it starts (``split: not done yet``), on a
     terminal and in a pipe alike; training then gets a bar on a terminal (its total from
     this attempt's step count) and a line per step elsewhere. Nothing is shown of an
     earlier attempt: steps only once this attempt's training is under way."""
-    from .run import ACTIVE
+    from ..journal import ACTIVE
 
     out = out or sys.stderr
     shown = _Shown(out, show)

@@ -6,12 +6,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import BaseModelError
-from ..inputs.base_model import materialize
+from ..inputs.base_cache import materialize
 from . import Outputs
 from .resolve import base_pin
 
 if TYPE_CHECKING:
-    from ..graph.driver import Bake
+    from .context import Bake
 
 NAME = "base"
 VERSION = 2

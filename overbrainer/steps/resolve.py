@@ -5,17 +5,18 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from .. import __version__
+from ..folder import PLAN_JSON
 from ..fsio import write_atomic
 from ..inputs.base_model import pin_base
+from ..version import __version__
 from . import Outputs
 
 if TYPE_CHECKING:
-    from ..graph.driver import Bake
+    from .context import Bake
 
 NAME = "resolve"
 VERSION = 1
-TARGETS = ["plan.json"]
+TARGETS = [PLAN_JSON]
 
 
 def data_pins(bake: Bake) -> list[dict]:
@@ -50,4 +51,4 @@ def run(bake: Bake, inputs: dict) -> Outputs:
         "overbrainer": __version__,
     }
     write_atomic(bake.folder.plan_json, (json.dumps(resolved, indent=2) + "\n").encode())
-    return Outputs(["plan.json"])
+    return Outputs([PLAN_JSON])

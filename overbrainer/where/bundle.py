@@ -35,20 +35,18 @@ from pathlib import Path
 
 import yaml
 
-from .. import __version__
 from ..errors import OverbrainerError
-from ..folder import RunFolder
+from ..folder import CONFIG, EXAMPLES, EXPORT, RunFolder
 from ..fsio import write_atomic
 from ..hashing import HashCache, hash_file
+from ..inputs.base_cache import SOURCE_FILE
 from ..portable import launcher, ship
 from ..portable import runner as jobfile
+from ..version import __version__
 
 __all__ = ["Base", "Staged", "stage_job", "export_bundle", "write_job_tar", "requirements", "FINGERPRINT_ENV"]
 
-EXPORT = "export"
-IMPORTED = "imported.json"
 FINGERPRINT_ENV = "OVERBRAINER_FINGERPRINT"
-SOURCE_FILE = "overbrainer-source.json"  # base.py's record of where a cached base came from
 # what a job folder needs to run a trainer, by trainer: pip requirements
 # what a job elsewhere installs: pinned as the tools environment here is (Axolotl takes
 # torch 2.11–2.13; on a GPU machine pip picks its CUDA build)
@@ -122,12 +120,12 @@ def stage_job(trainer, run_dir: Path, fingerprint: str, base: Base, root: str, h
     shutil.rmtree(home, ignore_errors=True)
     (home / jobfile.RUN).mkdir(parents=True)
     stage = home / jobfile.RUN
-    config = run_dir / "config.yaml"
+    config = run_dir / CONFIG
     cfg = yaml.safe_load(config.read_text())
     cfg["base_model"] = "../base"  # the job folder's base/, whatever it is there
     header = "# overbrainer's config.yaml for a job folder: base_model is the job's base/\n"
-    (stage / "config.yaml").write_text(header + yaml.safe_dump(cfg, sort_keys=False))
-    for name in ("examples.parquet", trainer.metrics_file()):
+    (stage / CONFIG).write_text(header + yaml.safe_dump(cfg, sort_keys=False))
+    for name in (EXAMPLES, trainer.metrics_file()):
         if (run_dir / name).is_file():
             shutil.copy2(run_dir / name, stage / name)
     try:

@@ -22,24 +22,24 @@ brings one back into the run folder:
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
 import shutil
 import tarfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from .. import journal
 from ..errors import OverbrainerError, RunFailed, RunStateError
-from ..folder import RunFolder
-from ..fsio import write_atomic
+from ..folder import EXPORT, IMPORTED, IMPORTED_USED, METRICS, RunFolder
+from ..fsio import Busy, exclusive, write_atomic
 from ..hashing import HashCache
 from ..portable import runner as jobfile
 from ..portable.common import now
-from .bundle import EXPORT, IMPORTED
 
 __all__ = ["Received", "ImportRefused", "Imported", "receive", "import_result", "take_import", "local_have", "taken_up"]
 
@@ -162,7 +162,7 @@ def receive(run_dir: Path, archive: Path, artifacts: dict, fingerprint: str, has
         hashes.save()
     return Received(
         *_outcome(result.get("end"), listed, artifacts.get("required")),
-        files=len(take), bytes=size, listed={p: f["hash"] for p, f in listed.items()}, step=_last_step(run_dir / "metrics.jsonl"),
+        files=len(take), bytes=size, listed={p: f["hash"] for p, f in listed.items()}, step=_last_step(run_dir / METRICS),
     )
 
 
@@ -262,26 +262,6 @@ def local_have(run_dir: Path, artifacts: dict, hashes: HashCache) -> list[dict]:
 # -- `overbrainer import` -------------------------------------------------------------------
 
 
-class _Locked:
-    """The run folder's bake lock (build.py's ``.lock``), taken without waiting."""
-
-    def __init__(self, folder: RunFolder):
-        self.folder = folder
-
-    def __enter__(self):
-        self.folder.root.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.folder.lock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            raise RunStateError(f"{self.folder.root}: being baked right now; import when that bake has ended") from None
-        return self
-
-    def __exit__(self, *exc):
-        os.close(self.fd)
-
-
 @dataclass
 class Imported:
     received: Received
@@ -292,7 +272,6 @@ class Imported:
 def import_result(run_root: Path, archive: Path, shown: Callable[[Path], str] = str) -> Imported:
     """`overbrainer import RUN RESULT`: bring an exported job's result into its run folder,
     and leave a record the next bake takes up (train goes on from what came back)."""
-    from ..runtime.run import Run
 
     folder = RunFolder(Path(run_root).absolute())
     archive = Path(archive)
@@ -305,7 +284,7 @@ def import_result(run_root: Path, archive: Path, shown: Callable[[Path], str] = 
         ) from None
     if not archive.is_file():
         raise OverbrainerError(f"{shown(archive)}: no such file; give the result.tar.gz the job wrote")
-    with _Locked(folder):
+    with _not_being_baked(folder):
         received = receive(folder.root, archive, job["artifacts"], job["fingerprint"], HashCache(folder.hash_cache),
                            shown=shown(archive), log_header=f"imported from {archive.name}")
         record = {
@@ -314,13 +293,24 @@ def import_result(run_root: Path, archive: Path, shown: Callable[[Path], str] = 
             "result": str(archive.absolute()), "at": now(),
         }
         write_atomic(folder.root / EXPORT / IMPORTED, (json.dumps(record, indent=1) + "\n").encode())
-        run = Run(folder.root)
         if received.state == "failed":
-            run.update(where="export", state="failed", reason=received.reason)
+            journal.update(folder, where="export", state="failed", reason=received.reason)
         else:
-            run.update(where="export", reason=f"imported from {archive.name}; bake again to go on")
-        plan_file = run._read().get("plan_file")
+            journal.update(folder, where="export", reason=f"imported from {archive.name}; bake again to go on")
+        plan_file = journal.read(folder).get("plan_file")
     return Imported(received=received, record=record, plan_file=plan_file)
+
+
+@contextmanager
+def _not_being_baked(folder: RunFolder) -> Iterator[None]:
+    """The run folder's bake lock (``graph/driver.py`` takes it to bake), held while a
+    result goes in; a bake under way refuses the import."""
+    folder.root.mkdir(parents=True, exist_ok=True)
+    try:
+        with exclusive(folder.lock):
+            yield
+    except Busy:
+        raise RunStateError(f"{folder.root}: being baked right now; import when that bake has ended") from None
 
 
 def take_import(run_dir: Path, fingerprint: str) -> dict | None:
@@ -332,7 +322,7 @@ def take_import(run_dir: Path, fingerprint: str) -> dict | None:
         return None
     if record.get("fingerprint") != fingerprint:
         return None
-    os.replace(pending, pending.with_name("imported.used.json"))
+    os.replace(pending, pending.with_name(IMPORTED_USED))
     return record
 
 

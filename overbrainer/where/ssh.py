@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import OverbrainerError, RunFailed
+from ..folder import LOG
 from ..portable.common import now, write_atomic
 from ..trainers.protocol import Trainer
 from . import bundle, receive
@@ -301,7 +302,7 @@ class SSH:
         try:
             with open(incoming, "wb") as out:
                 # the log came already, as it was written
-                self.must(f"{runner} pack --have - --skip {_LOG}", "packing its artifacts",
+                self.must(f"{runner} pack --have - --skip {LOG}", "packing its artifacts",
                           stdin=json.dumps(have).encode(), stdout=out, timeout=None)
             return receive.receive(run_dir, incoming, artifacts, fp, self.hashes,
                                     shown=f"the job's artifacts from {self.dest}")
@@ -310,7 +311,6 @@ class SSH:
 
 
 _RUN = "run"
-_LOG = "log.txt"
 
 
 def q(value: str) -> str:
