@@ -183,9 +183,8 @@ def _template_keeps_thinking(base_folder: Path) -> bool:
 
 
 def run(bake: Bake, inputs: dict) -> Outputs:
-    from ..formats import check_formats
-
     from ..errors import BaseModelError
+    from ..formats import check_formats
     from ..inputs.base_model import has_chat_template
 
     train = bake.plan.train
