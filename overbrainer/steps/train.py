@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import OverbrainerError, RunFailed, RunStopped
 from ..folder import CHECKPOINTS, LOG, METRICS, RunFolder
+from ..plan import SlurmTarget
 from ..stamps import fingerprint, outputs_digest
 from ..trainers import checkpoint as ckpt
 from . import NotReady, Outputs, upstream
@@ -43,7 +44,11 @@ def inputs(bake: Bake) -> dict:
     # than by where the cache put it: a cache moved elsewhere retrains nothing
     cfg["base_model"] = outputs_digest(base)
     # the world size changes the arithmetic (gradients are all-reduced): exact per size
-    return {"config": cfg, "examples": outputs_digest(split), "processes": bake.plan.train.processes}
+    out = {"config": cfg, "examples": outputs_digest(split), "processes": bake.plan.train.processes}
+    where = bake.plan.where
+    if isinstance(where, SlurmTarget) and where.slurm.nodes > 1:  # so does the number of nodes
+        out["nodes"] = where.slurm.nodes
+    return out
 
 
 def run(bake: Bake, inputs: dict) -> Outputs:
@@ -116,7 +121,8 @@ def launch(bake: Bake, fp: str, max_steps: int) -> int:
 
     # where the plan says: here, an exported bundle, or another machine over ssh
     base = Base.from_stamp(upstream(bake, "base"))
-    target = target_for(bake.plan.where, base, bake.hashes, bake.plan_dir, say=bake.say, shown=bake.shown)
+    target = target_for(bake.plan.where, base, bake.hashes, bake.plan_dir, say=bake.say, shown=bake.shown,
+                        tell=bake.tell, processes=bake.plan.train.processes)
     bake.tell(state="running", steps=max_steps, where=target.where)
     try:
         return target.run(trainer, folder.root, {"OVERBRAINER_FINGERPRINT": fp}, folder.log, poll)
