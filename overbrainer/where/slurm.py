@@ -174,7 +174,8 @@ class Slurm:
         end = read_json(folder.slurm / f"end-{job}.json") if job else None
         if state is not None and state.in_queue:
             self.note(log, f"following Slurm job {job}, {state.state.lower()}")
-        elif state is not None and state.state == "COMPLETED" and end and end["exit"] == 0 and not end["signal"]:
+        elif (state is not None and state.state == "COMPLETED" and end and end["exit"] == 0 and not end["signal"]
+              and not folder.stopped_marker.exists()):  # a job that stopped early is gone on by a new one
             self.note(log, f"Slurm job {job} had ended well while nothing here followed it: taking it up")
         else:
             job = self.submit(trainer, folder, fp, env, jobs)
