@@ -12,7 +12,6 @@ again as it may be by then.
 
 from __future__ import annotations
 
-import base64
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -74,6 +73,8 @@ class Bake:
 
     def handoff(self) -> dict:
         """This compiled bake as JSON, for the process that will run it."""
+        import base64
+
         return {
             "plan_path": str(self.plan_path),
             "plan": self.plan.model_dump(mode="json"),
@@ -86,6 +87,8 @@ class Bake:
     @classmethod
     def from_handoff(cls, data: dict, **callbacks) -> Bake:
         """The bake another process compiled (`handoff`), as it resolved it."""
+        import base64
+
         folder = RunFolder(Path(data["folder"]))
         raw = data.get("plan_bytes")
         return cls(
