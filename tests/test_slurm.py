@@ -289,3 +289,24 @@ def test_a_partition_slurm_rejects_is_its_message_in_one_line(plan, cluster):
     folder = Path(os.environ["OVERBRAINER_RUNS"]) / "tiny"
     assert not (folder / "job.sh").exists() and not (folder / "slurm" / "submitted.json").exists()
     assert not (folder / ".stamps" / "train.json").exists()
+
+
+def test_the_time_limit_warning_checkpoints_and_the_next_job_goes_on(plan, reference, cluster):
+    """Slurm's warning before a time limit (--signal=B:USR1@grace), sent now by hand the way
+    slurmctld sends it: the trainer saves, the job ends, the next job goes on, bit for bit."""
+    plan_path = on_slurm(plan)
+    folder = Path(os.environ["OVERBRAINER_RUNS"]) / "tiny"
+    cli("bake", str(plan_path), "--detach")
+    trainers = hold_at_step(folder, 2)
+    job = run_json(folder)["slurm_job"]
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
+    wait_for(lambda: (folder / "stop").exists())
+    release(trainers)
+    status = wait_for(lambda: (s := run_json(folder)).get("state") in ("failed", "done", "stopped") and s, timeout=300)
+    assert status["state"] == "done", status
+    end = json.loads((folder / "slurm" / f"end-{job}.json").read_text())
+    assert end["signal"] == "SIGUSR1" and end["exit"] == 0
+    jobs = json.loads((folder / "slurm" / "submitted.json").read_text())["jobs"]
+    assert jobs[0] == job and len(jobs) == 2 and status["slurm_job"] == jobs[1]
+    assert "before its time limit; submitting the next" in (folder / "log.txt").read_text()
+    same_model(folder, reference)
