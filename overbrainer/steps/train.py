@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 from ..errors import OverbrainerError, RunFailed, RunStopped
 from ..folder import CHECKPOINTS, LOG, METRICS, RunFolder
-from ..plan import SlurmTarget
 from ..stamps import fingerprint, outputs_digest
 from ..trainers import checkpoint as ckpt
 from . import NotReady, Outputs, upstream
@@ -45,9 +44,12 @@ def inputs(bake: Bake) -> dict:
     cfg["base_model"] = outputs_digest(base)
     # the world size changes the arithmetic (gradients are all-reduced): exact per size
     out = {"config": cfg, "examples": outputs_digest(split), "processes": bake.plan.train.processes}
+    # so does the number of nodes (read from the JSON form: the up-to-date check has the
+    # remembered plan, without pydantic)
     where = bake.plan.where
-    if isinstance(where, SlurmTarget) and where.slurm.nodes > 1:  # so does the number of nodes
-        out["nodes"] = where.slurm.nodes
+    slurm = None if isinstance(where, str) else where.model_dump(mode="json").get("slurm")
+    if slurm and slurm["nodes"] > 1:
+        out["nodes"] = slurm["nodes"]
     return out
 
 
