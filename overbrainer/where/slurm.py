@@ -26,7 +26,6 @@ requeued job (``"requeue": true``, preemption) runs job.sh again and goes on the
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
@@ -39,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import OverbrainerError, RunFailed
-from ..folder import CONFIG, RunFolder
+from ..folder import RunFolder
 from ..portable.common import now, read_json, write_json
 from ..trainers.protocol import Trainer
 from .bundle import FINGERPRINT_ENV
