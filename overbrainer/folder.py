@@ -22,6 +22,8 @@
 ``trainer-error.txt``  one line: why the trainer gave up
 ``export/``            bundles of an exported job, and ``imported.json``: a result imported
 ``axolotl-job/``       the Axolotl trainer's job files (``trainers/axolotl.py``)
+``job.sh``             a Slurm run's batch script (``where/slurm.py``)
+``slurm/``             a Slurm run's jobs: what job.sh runs, the jobs submitted, how each ended
 =====================  ==============================================================
 
 The names are the constants below (``RunFolder``'s properties give the paths); the few that
@@ -42,7 +44,7 @@ __all__ = [
     "RunFolder", "runs_root", "cache_root", "default_name", "RUNS_ENV",
     "PLAN_JSON", "EXAMPLES", "CONFIG", "RUN_JSON", "METRICS", "LOG", "CHECKPOINTS", "MERGED", "BAKED", "ATTIC",
     "STAMPS", "DOIT_DB", "HASH_CACHE", "PLAN_MEMO", "LOCK", "RUN_LOCK", "STOP", "STOPPED", "TRAINER_ERROR",
-    "EXPORT", "IMPORTED", "IMPORTED_USED", "AXOLOTL_JOB", "META",
+    "EXPORT", "IMPORTED", "IMPORTED_USED", "AXOLOTL_JOB", "META", "JOB_SH", "SLURM",
 ]
 
 RUNS_ENV = "OVERBRAINER_RUNS"
@@ -65,6 +67,8 @@ EXPORT = "export"
 IMPORTED = "imported.json"  # in export/: a result imported, not yet taken up by a bake
 IMPORTED_USED = "imported.used.json"  # in export/: the last one a bake took up
 AXOLOTL_JOB = "axolotl-job"
+JOB_SH = "job.sh"
+SLURM = "slurm"
 
 
 def runs_root(given: str | os.PathLike | None = None) -> Path:
@@ -121,6 +125,8 @@ class RunFolder:
     trainer_error = property(lambda self: self.root / TRAINER_ERROR)
     export = property(lambda self: self.root / EXPORT)
     axolotl_job = property(lambda self: self.root / AXOLOTL_JOB)
+    job_sh = property(lambda self: self.root / JOB_SH)
+    slurm = property(lambda self: self.root / SLURM)
 
     def stamp(self, step: str) -> Path:
         return self.stamps / f"{step}.json"

@@ -114,9 +114,11 @@ def cmd_import(args) -> int:
 
 
 def cmd_stop(args) -> int:
+    from ..journal import ACTIVE
+
     run = find_run(args.run, args.runs)
     before = run.state
-    if before not in ("starting", "running", "stopping"):
+    if before not in ACTIVE:
         print(f"{shown(run.folder.root)} is not running ({before})")
         return 0
     state = run.stop(wait=not args.no_wait, timeout=args.timeout)

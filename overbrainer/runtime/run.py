@@ -46,8 +46,23 @@ class Run:
 
     @property
     def status(self) -> dict:
-        """run.json, with a process that ended without saying so shown as such."""
-        return journal.status(self.folder)
+        """run.json, with a process that ended without saying so shown as such; a Slurm job
+        that goes on without it is shown as what Slurm says it is."""
+        data = journal.status(self.folder)
+        job = data.get("slurm_job")
+        if data.get("reason") == journal.DIED and job:
+            from ..where.slurm import job_state
+
+            there = job_state(job)
+            if there is not None and there.in_queue:
+                state = "queued" if there.state == "PENDING" else "running"
+                data = {**data, "state": state,
+                        "reason": f"Slurm job {job} is {there.state} ({there.reason}); nothing here follows it: "
+                                  "bake again to follow it and take up its result"}
+            elif there is not None:
+                data = {**data, "reason": f"{journal.DIED}; its Slurm job {job} ended {there.state}: bake again "
+                                          "to take up its result"}
+        return data
 
     @property
     def state(self) -> str:

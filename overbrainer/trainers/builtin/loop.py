@@ -27,7 +27,7 @@ from ...portable import faults
 from ...portable.common import die_with_parent, phase_of, truncate_metrics
 from .. import checkpoint as ckpt
 from ..dist import World
-from ..examples import IGNORE, Order, collate, load_examples, micro_batches
+from ..examples import IGNORE, Order, collate, load_examples, micro_batches, tokenizer_settings
 
 STOP_EXIT = 0  # a stop on request is a success: the stopped marker says it was not the end
 
@@ -301,7 +301,7 @@ def load_model(cfg: dict, bf16: bool = False):
     logging.disable_progress_bar()
     base = cfg["base_model"]
     tokenizer = AutoTokenizer.from_pretrained(base)
-    for key, value in (cfg.get("special_tokens") or {}).items():
+    for key, value in tokenizer_settings(cfg).items():
         setattr(tokenizer, key, value)
     lora = cfg.get("adapter") == "lora"
     # a LoRA's base is frozen: in bf16 it is read as it is (no cast per step, half the
