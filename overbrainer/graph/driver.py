@@ -63,14 +63,14 @@ def run_bake(bake: Bake, task: str | list[str] = "train", done: Outcome | None =
     with _one_bake(folder):
         folder.stop_request.unlink(missing_ok=True)  # a stop asked of an earlier bake
         bake.checked.clear()
+        doit = DoitMain(ModuleTaskLoader({"task_train": lambda: doit_tasks(bake, done), "DOIT_CONFIG": doit_config(bake, done)}))
+        argv = ["run", *([task] if isinstance(task, str) else task)]
         if task != "train":
-            namespace = {"task_train": lambda: doit_tasks(bake, done), "DOIT_CONFIG": doit_config(bake, done)}
-            done.code = DoitMain(ModuleTaskLoader(namespace)).run(["run", *([task] if isinstance(task, str) else task)])
+            done.code = doit.run(argv)
             return done
         attempt = _Attempt(bake, done)
         try:
-            namespace = {"task_train": lambda: doit_tasks(bake, done), "DOIT_CONFIG": doit_config(bake, done)}
-            done.code = DoitMain(ModuleTaskLoader(namespace)).run(["run", task])
+            done.code = doit.run(argv)
         except BaseException as e:  # Ctrl-C twice, or a bug: the record must say so
             done.error = done.error or e
             raise
