@@ -95,8 +95,9 @@ def test_trackers_mirror_a_killed_and_resumed_bake(project, tmp_path, monkeypatc
     assert len(files) == 2 and all(f.name == f"run-{kept['wandb']['run_id']}.wandb" for f in files)
     steps = [s for f in files for s, item in wandb_history(f) if "loss" in item]
     # W&B's service writes its log on its own time: what it held when the bake was killed
-    # is lost with it (steps 3 to 5 here, on a loaded machine); none is written twice
-    assert steps == sorted(set(steps)) and steps[:2] == [1, 2] and steps[-3:] == [6, 7, 8], steps
+    # is lost with it (some or all of steps 1 to 5, by how busy the machine is); after the
+    # resume the same run goes on, and no step is written twice
+    assert steps == sorted(set(steps)) and set(steps) <= set(range(1, 9)) and steps[-3:] == [6, 7, 8], steps
 
     # the key came from the environment and went nowhere
     for path in [*tmp_path.rglob("*")]:

@@ -47,7 +47,14 @@ def inputs(bake: Bake) -> dict:
     # than by where the cache put it: a cache moved elsewhere retrains nothing
     cfg["base_model"] = outputs_digest(base)
     # the world size changes the arithmetic (gradients are all-reduced): exact per size
-    return {"config": cfg, "examples": outputs_digest(split), "processes": bake.plan.train.processes}
+    out = {"config": cfg, "examples": outputs_digest(split), "processes": bake.plan.train.processes}
+    # so does the number of nodes (read from the JSON form: the up-to-date check has the
+    # remembered plan, without pydantic)
+    where = bake.plan.where
+    slurm = None if isinstance(where, str) else where.model_dump(mode="json").get("slurm")
+    if slurm and slurm["nodes"] > 1:
+        out["nodes"] = slurm["nodes"]
+    return out
 
 
 def run(bake: Bake, inputs: dict) -> Outputs:
@@ -120,7 +127,8 @@ def launch(bake: Bake, fp: str, max_steps: int) -> int:
     follower = Follower(bake, max_steps, fp)
     # where the plan says: here, an exported bundle, or another machine over ssh
     base = Base.from_stamp(upstream(bake, "base"))
-    target = target_for(bake.plan.where, base, bake.hashes, bake.plan_dir, say=bake.say, shown=bake.shown)
+    target = target_for(bake.plan.where, base, bake.hashes, bake.plan_dir, say=bake.say, shown=bake.shown,
+                        tell=bake.tell, processes=bake.plan.train.processes)
     bake.tell(state="running", steps=max_steps, where=target.where)
     code = None
     try:
