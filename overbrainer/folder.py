@@ -22,15 +22,12 @@
 ``trainer-error.txt``  one line: why the trainer gave up
 ``export/``            bundles of an exported job, and ``imported.json``: a result imported
 ``axolotl-job/``       the Axolotl trainer's job files (``trainers/axolotl.py``)
-<<<<<<< HEAD
-``loss.png``           the loss curve so far, drawn again at each checkpoint
-``tensorboard/``       TensorBoard's event files, when the plan reports to it (``trackers/``)
-``mlruns/``            MLflow's file store, when it reports to MLflow without a server
-``wandb/``             W&B's run files, when it reports to W&B
-=======
 ``job.sh``             a Slurm run's batch script (``where/slurm.py``)
 ``slurm/``             a Slurm run's jobs: what job.sh runs, the jobs submitted, how each ended
->>>>>>> main
+``loss.png``           the loss curve so far, drawn again at each checkpoint
+``tensorboard/``       TensorBoard's event files, when the plan reports to it (``trackers/``)
+``mlruns/``            MLflow's SQLite store, when it reports to MLflow without a server
+``wandb/``             W&B's run files, when it reports to W&B
 =====================  ==============================================================
 
 The names are the constants below (``RunFolder``'s properties give the paths); the few that
@@ -51,12 +48,8 @@ __all__ = [
     "RunFolder", "runs_root", "cache_root", "default_name", "RUNS_ENV",
     "PLAN_JSON", "EXAMPLES", "CONFIG", "RUN_JSON", "METRICS", "LOG", "CHECKPOINTS", "MERGED", "BAKED", "ATTIC",
     "STAMPS", "DOIT_DB", "HASH_CACHE", "PLAN_MEMO", "LOCK", "RUN_LOCK", "STOP", "STOPPED", "TRAINER_ERROR",
-<<<<<<< HEAD
-    "EXPORT", "IMPORTED", "IMPORTED_USED", "AXOLOTL_JOB", "META", "LOSS_PLOT", "TENSORBOARD", "MLRUNS",
-    "WANDB",
-=======
-    "EXPORT", "IMPORTED", "IMPORTED_USED", "AXOLOTL_JOB", "META", "JOB_SH", "SLURM",
->>>>>>> main
+    "EXPORT", "IMPORTED", "IMPORTED_USED", "AXOLOTL_JOB", "META", "JOB_SH", "SLURM", "LOSS_PLOT", "TENSORBOARD",
+    "MLRUNS", "WANDB",
 ]
 
 RUNS_ENV = "OVERBRAINER_RUNS"
@@ -79,15 +72,12 @@ EXPORT = "export"
 IMPORTED = "imported.json"  # in export/: a result imported, not yet taken up by a bake
 IMPORTED_USED = "imported.used.json"  # in export/: the last one a bake took up
 AXOLOTL_JOB = "axolotl-job"
-<<<<<<< HEAD
+JOB_SH = "job.sh"
+SLURM = "slurm"
 LOSS_PLOT = "loss.png"
 TENSORBOARD = "tensorboard"
 MLRUNS = "mlruns"
 WANDB = "wandb"
-=======
-JOB_SH = "job.sh"
-SLURM = "slurm"
->>>>>>> main
 
 
 def runs_root(given: str | os.PathLike | None = None) -> Path:
@@ -144,15 +134,12 @@ class RunFolder:
     trainer_error = property(lambda self: self.root / TRAINER_ERROR)
     export = property(lambda self: self.root / EXPORT)
     axolotl_job = property(lambda self: self.root / AXOLOTL_JOB)
-<<<<<<< HEAD
+    job_sh = property(lambda self: self.root / JOB_SH)
+    slurm = property(lambda self: self.root / SLURM)
     loss_plot = property(lambda self: self.root / LOSS_PLOT)
     tensorboard = property(lambda self: self.root / TENSORBOARD)
     mlruns = property(lambda self: self.root / MLRUNS)
     wandb = property(lambda self: self.root / WANDB)
-=======
-    job_sh = property(lambda self: self.root / JOB_SH)
-    slurm = property(lambda self: self.root / SLURM)
->>>>>>> main
 
     def stamp(self, step: str) -> Path:
         return self.stamps / f"{step}.json"

@@ -25,13 +25,8 @@ import json
 import os
 import sys
 
-<<<<<<< HEAD
-from ..errors import OverbrainerError
-from . import bake, chat, graph, runs, serve
-=======
 from ..errors import FileProblem, OverbrainerError, RunFailed, UsageError
-from . import bake, chat, graph, runs
->>>>>>> main
+from . import bake, chat, graph, runs, serve
 
 __all__ = ["main", "parser"]
 
@@ -81,25 +76,14 @@ def parser() -> argparse.ArgumentParser:
         return real(name, parents=[after], **kwargs)
 
     sub.add_parser = add_parser
-    for group in (bake, graph, runs, chat):
+    for group in (bake, graph, runs, chat, serve):
         group.add_parsers(sub)
     return top
 
 
 def main(argv: list[str] | None = None) -> int:
-<<<<<<< HEAD
-    parser = argparse.ArgumentParser(prog="overbrainer", description="Fine-tuning a language model, declared as a build.")
-    parser.add_argument("--runs", help="where run folders live (default: $OVERBRAINER_RUNS or ./runs)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (bake, graph, runs, chat, serve):
-        group.add_parsers(sub)
-    args = parser.parse_args(argv)
-    if getattr(args, "runs_here", None):
-        args.runs = args.runs_here
-=======
     argv = sys.argv[1:] if argv is None else list(argv)
     as_json = "--json" in argv
->>>>>>> main
     try:
         args = parser().parse_args(argv)
         as_json = getattr(args, "json", False)

@@ -9,7 +9,6 @@ from ..folder import runs_root
 
 def add_parsers(sub) -> None:
     p = sub.add_parser("serve", help="a local web page: the runs, their live curves, stop and resume")
-    p.add_argument("--runs", dest="runs_here", help="the runs folder (default: $OVERBRAINER_RUNS or ./runs)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8765)
     p.set_defaults(func=cmd_serve)
@@ -18,5 +17,5 @@ def add_parsers(sub) -> None:
 def cmd_serve(args) -> int:
     from ..serve import serve  # Starlette and uvicorn: only for this command
 
-    serve(Path(args.runs).absolute() if args.runs else runs_root(), host=args.host, port=args.port)
+    serve(Path(args.runs).absolute() if getattr(args, "runs", None) else runs_root(), host=args.host, port=args.port)
     return 0
