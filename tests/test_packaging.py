@@ -66,10 +66,10 @@ def test_setup_installs_again_only_when_pyproject_or_torch_changed(tmp_path):
     calls = fake_venv(root)
     env = {**os.environ, "OVERBRAINER_TORCH": "2.13.0"}
 
-    def setup(**extra) -> tuple[list[str], float]:
+    def setup(*args: str, **extra) -> tuple[list[str], float]:
         before = calls.read_text().splitlines() if calls.exists() else []
         started = time.monotonic()
-        subprocess.run(["bash", "scripts/setup"], cwd=root, env={**env, **extra}, check=True, capture_output=True)
+        subprocess.run(["bash", "scripts/setup", *args], cwd=root, env={**env, **extra}, check=True, capture_output=True)
         after = calls.read_text().splitlines() if calls.exists() else []
         return [c for c in after[len(before):] if "install -e" in c], time.monotonic() - started
 
@@ -83,3 +83,9 @@ def test_setup_installs_again_only_when_pyproject_or_torch_changed(tmp_path):
     assert len(setup(OVERBRAINER_TORCH="2.12.0")[0]) == 1  # another torch: installed again
     (root / ".venv" / "bin" / "overbrainer").unlink()  # an environment that lost the package
     assert len(setup(OVERBRAINER_TORCH="2.12.0")[0]) == 1
+    # the test suite's extras (scripts/test): installed once; then the demo's plain setup
+    # has what it needs, and asks for nothing
+    dev = setup("dev", OVERBRAINER_TORCH="2.12.0")[0]
+    assert len(dev) == 1 and dev[0].endswith("install -e .[dev]"), dev
+    assert setup("dev", OVERBRAINER_TORCH="2.12.0")[0] == []
+    assert setup(OVERBRAINER_TORCH="2.12.0")[0] == []
