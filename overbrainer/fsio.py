@@ -60,10 +60,11 @@ class Busy(Exception):
 
 
 @contextmanager
-def exclusive(lock: Path) -> Iterator[None]:
+def exclusive(lock: Path, record: bool = True) -> Iterator[None]:
     """Hold the OS lock on the file `lock` (made if need be) for the ``with`` block, or
     raise `Busy` at once. The lock goes with the process, however it ends; the holder's
-    pid is written into the file, for the message of the next one."""
+    pid is written into the file, for the message of the next one (unless not `record`:
+    a holder that must leave the folder as it found it)."""
     import fcntl
 
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
@@ -77,8 +78,9 @@ def exclusive(lock: Path) -> Iterator[None]:
             holder = ""
         raise Busy(holder) from None
     try:
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
+        if record:
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
         yield
     finally:
         os.close(fd)

@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import DEMO_DATA, REPO  # noqa: E402,F401
+from helpers import DEMO_DATA, REPO, TINY_PLAN  # noqa: E402,F401
 
 WHEELHOUSE = os.environ.get("OVERBRAINER_WHEELHOUSE")  # read before any fixture hides it
 from tiny import make_tiny_llama  # noqa: E402
@@ -38,24 +38,6 @@ def tiny_model(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
-TINY_PLAN = {
-    "name": "tiny",
-    "base": "./tiny",
-    "data": "chats.jsonl",
-    "split": {"validation": 0.2},
-    "train": {
-        "steps": 8,
-        "micro_batch_size": 2,
-        "gradient_accumulation_steps": 2,
-        "sequence_len": 96,
-        "learning_rate": 0.003,
-        "save_every": 3,
-        "eval_every": 4,
-        "lora_r": 4,
-        "lora_alpha": 8,
-        "lora_dropout": 0.1,
-    },
-}
 
 
 def make_project(root: Path, tiny_model: Path) -> Project:

@@ -129,3 +129,24 @@ def release(processes: list[psutil.Process]) -> None:
             os.kill(p.pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
+
+
+# the tiny plan every project fixture starts from (tests/conftest.py)
+TINY_PLAN = {
+    "name": "tiny",
+    "base": "./tiny",
+    "data": "chats.jsonl",
+    "split": {"validation": 0.2},
+    "train": {
+        "steps": 8,
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "sequence_len": 96,
+        "learning_rate": 0.003,
+        "save_every": 3,
+        "eval_every": 4,
+        "lora_r": 4,
+        "lora_alpha": 8,
+        "lora_dropout": 0.1,
+    },
+}

@@ -121,8 +121,8 @@ def test_base_without_chat_template_is_refused_at_config(project, tmp_path):
     config.pop("chat_template", None)
     (tiny / "tokenizer_config.json").write_text(json.dumps(config))
     proc = cli("bake", str(project.plan_path), "--foreground", check=2)
-    first = one_clear_line(proc, "has no chat template", "use an instruct or chat model")
-    assert first.startswith("error: base: './tiny' has no chat template")
+    first = one_clear_line(proc, "has no chat template", 'set "chat_template" in the plan')
+    assert first.startswith("error: config: the base model tiny has no chat template")
     folder = tmp_path / "runs" / "tiny"
     assert (folder / ".stamps" / "split.json").exists() and not (folder / ".stamps" / "config.json").exists()
     assert not (folder / "checkpoints").exists() and not (folder / "log.txt").exists()  # no trainer started

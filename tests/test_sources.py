@@ -419,8 +419,7 @@ def test_a_template_that_fails_on_a_row_names_it(tmp_path, tiny_model):
 
 
 def test_a_base_without_a_template_stops_before_training_and_chatml_trains_it(tmp_path, tiny_model):
-    from conftest import TINY_PLAN
-    from helpers import DEMO_DATA
+    from helpers import DEMO_DATA, TINY_PLAN
 
     project = tmp_path / "project"
     project.mkdir()

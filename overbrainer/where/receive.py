@@ -307,7 +307,7 @@ def _not_being_baked(folder: RunFolder) -> Iterator[None]:
     result goes in; a bake under way refuses the import."""
     folder.root.mkdir(parents=True, exist_ok=True)
     try:
-        with exclusive(folder.lock):
+        with exclusive(folder.lock, record=False):
             yield
     except Busy:
         raise RunStateError(f"{folder.root}: being baked right now; import when that bake has ended") from None
