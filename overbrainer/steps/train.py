@@ -42,7 +42,11 @@ def inputs(bake: Bake) -> dict:
     # than by where the cache put it: a cache moved elsewhere retrains nothing
     cfg["base_model"] = outputs_digest(base)
     # the world size changes the arithmetic (gradients are all-reduced): exact per size
-    return {"config": cfg, "examples": outputs_digest(split), "processes": bake.plan.train.processes}
+    # (nodes too: the world is processes x nodes)
+    world = {"processes": bake.plan.train.processes}
+    if bake.plan.train.nodes > 1:
+        world["nodes"] = bake.plan.train.nodes
+    return {"config": cfg, "examples": outputs_digest(split), **world}
 
 
 def run(bake: Bake, inputs: dict) -> Outputs:
@@ -71,6 +75,7 @@ def run(bake: Bake, inputs: dict) -> Outputs:
     if not done or done[-1][0] != max_steps:
         raise RunFailed(f"the trainer ended without its final checkpoint (step {max_steps})", tail(folder.log, 15))
     meta = ckpt.read_meta(done[-1][1])
+    bake.tell(device=meta.get("device"))  # where it trained, as its checkpoint says
     summary = {
         "steps": max_steps,
         "checkpoint": done[-1][1].name,
@@ -80,6 +85,7 @@ def run(bake: Bake, inputs: dict) -> Outputs:
         "seconds": meta["seconds"],
         "tokens_per_second": round(meta["tokens"] / max(meta["seconds"], 1e-9), 1),
         "peak_memory": meta.get("peak_memory"),
+        "device": meta.get("device"),
     }
     return Outputs(["checkpoints", "metrics.jsonl"], summary=summary)
 
@@ -107,7 +113,10 @@ def launch(bake: Bake, fp: str, max_steps: int) -> int:
     from ..where.bundle import Base
 
     folder = bake.folder
-    trainer = get_trainer(bake.plan.train.trainer, processes=bake.plan.train.processes)
+    train = bake.plan.train
+    own = dict(nodes=train.nodes, rendezvous=train.rendezvous, run_id=bake.plan.name,
+               deterministic=train.deterministic) if train.trainer == "builtin" else {}
+    trainer = get_trainer(train.trainer, processes=train.processes, **own)
     seen = [_line_count(folder.metrics)]
 
     def poll() -> None:

@@ -20,9 +20,11 @@ STOPPED = "stopped.json"
 class Builtin:
     name = "builtin"
 
-    def __init__(self, processes: int = 1, threads: int | None = None):
-        self.processes = processes
-        self.threads = threads
+    def __init__(self, processes: int = 1, threads: int | None = None, nodes: int = 1,
+                 rendezvous: str | None = None, run_id: str = "overbrainer", deterministic: bool = False):
+        self.processes, self.threads = processes, threads
+        self.nodes, self.rendezvous, self.run_id = nodes, rendezvous, run_id
+        self.deterministic = deterministic
 
     def prepare(self, run_dir: Path, root: str) -> None:
         examples = Path(run_dir) / EXAMPLES
@@ -31,6 +33,12 @@ class Builtin:
 
     def commands(self) -> list[list[str]]:
         loop = ["-m", "overbrainer.trainers.builtin", CONFIG]
+        if self.nodes > 1:
+            # torch's own launcher on every machine, meeting at the rendezvous (c10d's store
+            # runs on the machine whose address it names); node ranks are its to give
+            return [["python", "-m", "torch.distributed.run", f"--nnodes={self.nodes}",
+                     f"--nproc-per-node={self.processes}", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint={self.rendezvous}", f"--rdzv-id={self.run_id}", *loop]]
         if self.processes > 1:
             # torch's own launcher: a rendezvous on this machine, N workers, restarts none
             return [["python", "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.processes}", *loop]]
@@ -40,6 +48,9 @@ class Builtin:
         env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
         if self.threads:
             env["OMP_NUM_THREADS"] = str(self.threads)
+        if self.deterministic:
+            # cuBLAS reads it at its first call: set before the trainer imports torch
+            env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         return env
 
     def metrics_file(self) -> str:
