@@ -16,18 +16,20 @@ from overbrainer.errors import OverbrainerError
 
 PLAN = get_var("plan", None)
 BAKE = None
+DONE = None
 DOIT_CONFIG = {"default_tasks": ["train"], "verbosity": 2}
 
 if PLAN:
-    from overbrainer.bake.driver import compile_bake, doit_config
+    from overbrainer.graph.driver import Outcome, compile_bake, doit_config
 
     try:
-        BAKE = compile_bake(PLAN, tell_errors=True)
+        BAKE = compile_bake(PLAN, say=lambda message: print(message, flush=True))
     except OverbrainerError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
     BAKE.folder.root.mkdir(parents=True, exist_ok=True)
-    DOIT_CONFIG = doit_config(BAKE)
+    DONE = Outcome()
+    DOIT_CONFIG = doit_config(BAKE, DONE, tell_errors=True)
 
 
 def task_train():
@@ -38,6 +40,6 @@ def task_train():
             "actions": [lambda: print("give the plan: doit train plan=plans/demo.json") and False],
         }
         return
-    from overbrainer.bake.graph import doit_tasks
+    from overbrainer.graph.tasks import doit_tasks
 
-    yield from doit_tasks(BAKE)
+    yield from doit_tasks(BAKE, DONE)

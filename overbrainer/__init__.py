@@ -16,7 +16,7 @@ Heavy libraries (torch, transformers) load only when a model is loaded or traine
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["bake", "run", "runs", "Run", "Model", "__version__"]
 
@@ -25,34 +25,30 @@ def bake(plan, wait: bool = False, runs=None, show: bool = True):
     """Bake a plan in its own process and return its `Run` at once (``wait=True``: wait
     for the end, showing progress, and return the baked model). Baking the same plan again
     finds its folder: it follows a running bake, resumes a stopped one, or finds it done."""
-    from .bake.driver import compile_bake, dry_run
-    from .runs.record import ACTIVE, Run, launch
+    from .graph.driver import compile_bake
+    from .runtime.run import start_unless_done
 
-    compiled = compile_bake(plan, runs=runs, quiet=True)
-    handle = Run(compiled.folder.root)
-    if handle.state not in ACTIVE and any(row["run"] for row in dry_run(compiled)):
-        before = handle.attempts()
-        handle.wait_started(before, launch(compiled.plan_path, compiled.folder))
+    handle = start_unless_done(compile_bake(plan, runs=runs)).run
     return handle.wait(show=show) if wait else handle
 
 
 def run(folder):
     """The run in `folder` (a run folder such as ``runs/demo``)."""
-    from .runs.record import Run
+    from .runtime.run import Run
 
     return Run(folder)
 
 
 def runs(root=None):
     """Every run under the runs folder (``$OVERBRAINER_RUNS`` or ``./runs``)."""
-    from .runs.record import runs as all_runs
+    from .runtime.run import runs as all_runs
 
     return all_runs(root)
 
 
 def __getattr__(name):
     if name == "Run":
-        from .runs.record import Run
+        from .runtime.run import Run
 
         return Run
     if name == "Model":

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import RunStateError
-from .folder import RunFolder
+from .folder import CONFIG, RunFolder
 
 __all__ = ["Model"]
 
@@ -88,7 +88,7 @@ class Model:
 
     def _fix_tokens(self, tokenizer) -> None:
         # a checkpoint's tokenizer is the base's, with the special tokens config.yaml set
-        config = self.path.parent.parent / "config.yaml"
+        config = self.path.parent.parent / CONFIG
         if config.is_file():
             import yaml
 

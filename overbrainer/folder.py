@@ -16,7 +16,17 @@
 ``.hashes.json``       the content-hash cache
 ``.plan.json``         the plan as last validated, for checks without pydantic (``remembered.py``)
 ``.lock``              held by the process that bakes this folder
+``.run.lock``          held while run.json is read, changed and written
+``stop``               a stop request: the trainer saves a checkpoint and ends
+``stopped.json``       the trainer stopped early, on request (``{"step", "steps"}``)
+``trainer-error.txt``  one line: why the trainer gave up
+``export/``            bundles of an exported job, and ``imported.json``: a result imported
+``axolotl-job/``       the Axolotl trainer's job files (``trainers/axolotl.py``)
 =====================  ==============================================================
+
+The names are the constants below (``RunFolder``'s properties give the paths); the few that
+processes without overbrainer need (the trainer's, the Axolotl plugin's, a job runner's)
+are ``portable/common.py``'s and taken from there. Nothing else spells them.
 """
 
 from __future__ import annotations
@@ -26,9 +36,35 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RunFolder", "runs_root", "cache_root", "default_name", "RUNS_ENV"]
+from .portable.common import LOG, META, METRICS, STOP, STOPPED, TRAINER_ERROR
+
+__all__ = [
+    "RunFolder", "runs_root", "cache_root", "default_name", "RUNS_ENV",
+    "PLAN_JSON", "EXAMPLES", "CONFIG", "RUN_JSON", "METRICS", "LOG", "CHECKPOINTS", "MERGED", "BAKED", "ATTIC",
+    "STAMPS", "DOIT_DB", "HASH_CACHE", "PLAN_MEMO", "LOCK", "RUN_LOCK", "STOP", "STOPPED", "TRAINER_ERROR",
+    "EXPORT", "IMPORTED", "IMPORTED_USED", "AXOLOTL_JOB", "META",
+]
 
 RUNS_ENV = "OVERBRAINER_RUNS"
+
+PLAN_JSON = "plan.json"
+EXAMPLES = "examples.parquet"
+CONFIG = "config.yaml"
+RUN_JSON = "run.json"
+CHECKPOINTS = "checkpoints"
+MERGED = "merged"
+BAKED = "baked"
+ATTIC = "attic"
+STAMPS = ".stamps"
+DOIT_DB = ".doit.db"
+HASH_CACHE = ".hashes.json"
+PLAN_MEMO = ".plan.json"
+LOCK = ".lock"
+RUN_LOCK = ".run.lock"
+EXPORT = "export"
+IMPORTED = "imported.json"  # in export/: a result imported, not yet taken up by a bake
+IMPORTED_USED = "imported.used.json"  # in export/: the last one a bake took up
+AXOLOTL_JOB = "axolotl-job"
 
 
 def runs_root() -> Path:
@@ -56,22 +92,27 @@ class RunFolder:
     def name(self) -> str:
         return self.root.name
 
-    plan_json = property(lambda self: self.root / "plan.json")
-    examples = property(lambda self: self.root / "examples.parquet")
-    config = property(lambda self: self.root / "config.yaml")
-    run_json = property(lambda self: self.root / "run.json")
-    metrics = property(lambda self: self.root / "metrics.jsonl")
-    log = property(lambda self: self.root / "log.txt")
-    checkpoints = property(lambda self: self.root / "checkpoints")
-    merged = property(lambda self: self.root / "merged")
-    baked = property(lambda self: self.root / "baked")
-    attic = property(lambda self: self.root / "attic")
-    stamps = property(lambda self: self.root / ".stamps")
-    doit_db = property(lambda self: self.root / ".doit.db")
-    hash_cache = property(lambda self: self.root / ".hashes.json")
-    lock = property(lambda self: self.root / ".lock")
-    stop_request = property(lambda self: self.root / "stop")
-    stopped_marker = property(lambda self: self.root / "stopped.json")
+    plan_json = property(lambda self: self.root / PLAN_JSON)
+    examples = property(lambda self: self.root / EXAMPLES)
+    config = property(lambda self: self.root / CONFIG)
+    run_json = property(lambda self: self.root / RUN_JSON)
+    metrics = property(lambda self: self.root / METRICS)
+    log = property(lambda self: self.root / LOG)
+    checkpoints = property(lambda self: self.root / CHECKPOINTS)
+    merged = property(lambda self: self.root / MERGED)
+    baked = property(lambda self: self.root / BAKED)
+    attic = property(lambda self: self.root / ATTIC)
+    stamps = property(lambda self: self.root / STAMPS)
+    doit_db = property(lambda self: self.root / DOIT_DB)
+    hash_cache = property(lambda self: self.root / HASH_CACHE)
+    plan_memo = property(lambda self: self.root / PLAN_MEMO)
+    lock = property(lambda self: self.root / LOCK)
+    run_lock = property(lambda self: self.root / RUN_LOCK)
+    stop_request = property(lambda self: self.root / STOP)
+    stopped_marker = property(lambda self: self.root / STOPPED)
+    trainer_error = property(lambda self: self.root / TRAINER_ERROR)
+    export = property(lambda self: self.root / EXPORT)
+    axolotl_job = property(lambda self: self.root / AXOLOTL_JOB)
 
     def stamp(self, step: str) -> Path:
         return self.stamps / f"{step}.json"

@@ -5,6 +5,8 @@ half-written one for whole. One copy of each way, imported wherever a file is wr
 - `replace_folder`: a folder put in the place of another, the destination at every moment
   absent or complete;
 - `fsync_dir`, `fsync_tree`: make what was written durable before it is named done;
+- `exclusive`: one process at a time on a folder (an OS lock that a dead process cannot
+  hold), taken without waiting;
 - `build_once`: a folder in a shared cache, built by one process at a time under a file
   lock, in a temp folder renamed into place when whole (the base models, Axolotl's
   environment).
@@ -18,13 +20,17 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from .portable import faults
 from .portable.common import fsync_dir, fsync_tree, read_json, write_atomic, write_json
 
-__all__ = ["write_atomic", "write_json", "read_json", "fsync_dir", "fsync_tree", "replace_folder", "build_once"]
+__all__ = [
+    "write_atomic", "write_json", "read_json", "fsync_dir", "fsync_tree", "replace_folder", "exclusive", "Busy",
+    "build_once",
+]
 
 
 def replace_folder(new: Path, dest: Path, fault: str | None = None) -> None:
@@ -44,6 +50,39 @@ def replace_folder(new: Path, dest: Path, fault: str | None = None) -> None:
         os.replace(dest, old)
     os.replace(new, dest)
     shutil.rmtree(old, ignore_errors=True)
+
+
+class Busy(Exception):
+    """Another process holds the lock: `holder` is its pid as it wrote it ("" if unknown)."""
+
+    def __init__(self, holder: str):
+        self.holder = holder
+        super().__init__(f"held by process {holder}" if holder else "held by another process")
+
+
+@contextmanager
+def exclusive(lock: Path) -> Iterator[None]:
+    """Hold the OS lock on the file `lock` (made if need be) for the ``with`` block, or
+    raise `Busy` at once. The lock goes with the process, however it ends; the holder's
+    pid is written into the file, for the message of the next one."""
+    import fcntl
+
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        try:
+            holder = Path(lock).read_text().strip()
+        except OSError:
+            holder = ""
+        raise Busy(holder) from None
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        yield
+    finally:
+        os.close(fd)
 
 
 def build_once(target: Path, done: str, build: Callable[[Path], None], waiting: Callable[[], None] = lambda: None) -> Path:

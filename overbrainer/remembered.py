@@ -25,11 +25,11 @@ import os
 import re
 from pathlib import Path
 
-from .folder import default_name
+from .folder import PLAN_MEMO, default_name
 
 __all__ = ["Remembered", "load", "validated", "FILE"]
 
-FILE = ".plan.json"
+FILE = PLAN_MEMO
 _PLAN_CODE = Path(__file__).with_name("plan.py")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 

@@ -26,11 +26,11 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 from .fsio import write_atomic
 from .hashing import HashCache, hash_bytes
+from .portable.common import now
 
 __all__ = [
     "Stamp", "fingerprint", "read_stamp", "write_stamp", "manifest", "verify", "outputs_digest",
@@ -75,7 +75,7 @@ def read_stamp(path: str | os.PathLike) -> Stamp | None:
 def write_stamp(path: str | os.PathLike, stamp: Stamp) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    stamp.finished = stamp.finished or datetime.now(timezone.utc).isoformat(timespec="seconds")
+    stamp.finished = stamp.finished or now()
     write_atomic(path, json.dumps(asdict(stamp), indent=1).encode(), fault="stamp:before-replace")
 
 

@@ -179,10 +179,11 @@ def axolotl_project(project, axolotl_venv, monkeypatch):
 
 def configured(project) -> Path:
     """The run folder after the config step (resolve, base, split, config), in this process."""
-    from overbrainer.bake.driver import compile_bake, run_bake
+    from overbrainer.graph.driver import compile_bake, run_bake
 
-    bake = compile_bake(project.plan_path, quiet=True)
-    assert run_bake(bake, "train:config") == 0, bake.error
+    bake = compile_bake(project.plan_path)
+    done = run_bake(bake, "train:config")
+    assert done.code == 0, done.error
     return bake.folder.root
 
 

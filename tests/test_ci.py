@@ -127,14 +127,14 @@ def outputs_in(folder: Path) -> set[str]:
 
 
 def compile_here(plan: Path, runs: Path):
-    from overbrainer.bake.driver import compile_bake
+    from overbrainer.graph.driver import compile_bake
 
-    return compile_bake(plan, runs=runs, quiet=True)
+    return compile_bake(plan, runs=runs)
 
 
 @pytest.mark.parametrize("how", ["tar", "cp"])
 def test_restored_run_reruns_nothing_and_reads_no_weights(finished, tmp_path, monkeypatch, how):
-    from overbrainer.bake.driver import dry_run, run_bake
+    from overbrainer.graph.driver import dry_run, run_bake
 
     folder = finished.restore(tmp_path / "runs", how)
     merged = next((folder / "merged").glob("*.safetensors"))
@@ -145,9 +145,10 @@ def test_restored_run_reruns_nothing_and_reads_no_weights(finished, tmp_path, mo
     with Reads(monkeypatch) as reads:
         rows = dry_run(compile_here(finished.plan, tmp_path / "runs"))
         bake = compile_here(finished.plan, tmp_path / "runs")
-        assert run_bake(bake) == 0, bake.error
+        done = run_bake(bake)
+        assert done.code == 0, done.error
     assert [r for r in rows if r["run"]] == []
-    assert bake.ran == [] and sorted(bake.skipped) == sorted(finished.report["ran"])
+    assert done.ran == [] and sorted(done.skipped) == sorted(finished.report["ran"])
     assert reads.hashed == [], "a restored run with its mtimes kept hashes nothing"
     assert reads.weights() == []
     assert not [p for p in reads.opened if p.startswith(str(folder / "checkpoints"))]
@@ -159,7 +160,7 @@ def test_restored_run_reruns_nothing_and_reads_no_weights(finished, tmp_path, mo
 
 
 def test_restored_run_with_new_mtimes_rehashes_once(finished, tmp_path, monkeypatch):
-    from overbrainer.bake.driver import dry_run
+    from overbrainer.graph.driver import dry_run
 
     folder = finished.restore(tmp_path / "runs")
     later = 1_900_000_000_000_000_000

@@ -15,7 +15,7 @@ import pytest
 from helpers import cli
 from test_ci import HEAVY, Finished, finished_bake, snapshot
 
-from overbrainer.bake import explain
+from overbrainer.graph import explain
 from overbrainer.hashing import hash_file
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,7 +109,7 @@ def test_graph_of_a_plan_never_baked(tmp_path):
 
 def test_graph_done_stale_running(finished, tmp_path):
     from overbrainer import Run
-    from overbrainer.runs.record import this_process
+    from overbrainer.journal import this_process
 
     folder = finished.restore(tmp_path / "runs")
     assert statuses(finished.plan) == dict.fromkeys(STEPS, "done")
@@ -227,11 +227,11 @@ def test_why_an_output_and_the_code(finished, tmp_path, monkeypatch):
     assert merge["reruns"] == ["bake"]
     assert f"  output merged/{merged.name} is missing (was " in cli("why", str(finished.plan), "merge").stdout
 
-    from overbrainer.bake.driver import compile_bake
+    from overbrainer.graph.driver import compile_bake
     from overbrainer.steps import split
 
     monkeypatch.setattr(split, "VERSION", split.VERSION + 1)
-    states = {s.step: s for s in explain.why(compile_bake(finished.plan, quiet=True))}
+    states = {s.step: s for s in explain.why(compile_bake(finished.plan))}
     assert states["split"].changes == [{"kind": "code", "field": "version", "old": split.VERSION - 1, "new": split.VERSION}]
     assert states["split"].reruns == ["config", "train", "merge", "bake"]
 

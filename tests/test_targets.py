@@ -562,7 +562,7 @@ def test_ssh_tools_are_made_once_there(over_ssh, monkeypatch, tmp_path):
     what OVERBRAINER_REMOTE_INSTALL names (the trainer's requirements by default), once."""
     from overbrainer.plan import SSHTarget
     from overbrainer.trainers.builtin import Builtin
-    from overbrainer.where import SSH
+    from overbrainer.where.ssh import SSH
 
     monkeypatch.delenv("OVERBRAINER_REMOTE_PYTHON")
     monkeypatch.setenv("OVERBRAINER_REMOTE_INSTALL", f"--no-index {_wheel(tmp_path)}")

@@ -48,15 +48,22 @@ import sys
 import time
 from pathlib import Path
 
-from .common import die_with_parent, fsync_tree, phase_of, truncate_metrics, write_atomic
+from .common import (
+    META,
+    METRICS,
+    STOP,
+    STOPPED,
+    TRAINER_ERROR,
+    die_with_parent,
+    fsync_tree,
+    phase_of,
+    truncate_metrics,
+    write_atomic,
+)
 
 RUN_DIR_ENV = "OVERBRAINER_RUN_DIR"
 FINGERPRINT_ENV = "OVERBRAINER_FINGERPRINT"
-METRICS = "metrics.jsonl"
-STOP_REQUEST = "stop"
-STOPPED = "stopped.json"
-META = "meta.json"
-ERROR_FILE = "trainer-error.txt"  # one line: why the job gave up, for the bake to tell
+STOP_REQUEST, ERROR_FILE = STOP, TRAINER_ERROR
 
 
 try:

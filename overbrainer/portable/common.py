@@ -20,11 +20,20 @@ from pathlib import Path
 from . import faults
 
 __all__ = [
-    "NO_METRICS_EXIT", "now", "die_with_parent", "write_atomic", "write_json", "read_json",
+    "NO_METRICS_EXIT", "METRICS", "LOG", "STOP", "STOPPED", "TRAINER_ERROR", "META", "now", "die_with_parent", "write_atomic", "write_json", "read_json",
     "fsync_dir", "fsync_tree", "has_metric_line", "truncate_metrics", "phase_of", "run_commands",
 ]
 
 NO_METRICS_EXIT = 86  # the job ended well but wrote no metric line (its plugin did not load)
+
+# the run-folder files that processes without overbrainer read or write (``folder.py``
+# names the others, and lists them all)
+METRICS = "metrics.jsonl"  # one line per logged step, and stage events
+LOG = "log.txt"  # the trainer's own output
+STOP = "stop"  # a stop request: save a checkpoint at the next step and end
+STOPPED = "stopped.json"  # the trainer stopped early, on request
+TRAINER_ERROR = "trainer-error.txt"  # one line: why the trainer gave up
+META = "meta.json"  # a checkpoint's sidecar, written last: with it the checkpoint is whole
 
 
 def now() -> str:

@@ -56,12 +56,10 @@ import time
 from pathlib import Path
 
 from . import common
-from .common import now, read_json, write_json
+from .common import LOG, STOP, now, read_json, write_json
 
 FORMAT = 1
 RUN = "run"  # the run folder, inside the job folder
-LOG = "log.txt"  # the commands' output, in the run folder
-STOP = "stop"  # the stop request the trainer checks, in the run folder
 END = "end.json"
 PID = "job.pid"
 RESULT = "result.tar.gz"

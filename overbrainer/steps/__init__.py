@@ -8,8 +8,11 @@ Each step is a module with::
     inputs(bake)       -> dict: everything the step reads, JSON-able: its fingerprint
     run(bake, inputs)  -> Outputs: does the work
 
-`inputs` reads upstream stamps (cheap: small JSON files) and raises `NotReady` when one is
-missing. `execute` is the only place that decides to skip, deletes the stamp before the
+Every step is given a `context.Bake` (the compiled plan, where things are, and how to speak
+to the user); it never imports the bake driver (``graph/``). `inputs` reads upstream stamps
+(cheap: small JSON files) and raises `NotReady` when one is missing. `check` says whether a
+step is up to date, once per step per bake (doit's up-to-date check computes it, `execute`
+takes it); `execute` is the only place that decides to skip, deletes the stamp before the
 work, and writes it after.
 """
 
@@ -22,7 +25,7 @@ from typing import TYPE_CHECKING
 from ..stamps import Stamp, diff_inputs, fingerprint, read_stamp, verify, write_stamp
 
 if TYPE_CHECKING:
-    from ..bake.driver import Bake
+    from .context import Bake
 
 __all__ = ["Outputs", "NotReady", "Status", "check", "execute", "upstream"]
 
@@ -59,7 +62,13 @@ def upstream(bake: Bake, step: str) -> Stamp:
 
 
 def check(bake: Bake, module: ModuleType) -> Status:
-    """Whether a step is up to date, and if not, why (in words a user can act on)."""
+    """Whether a step is up to date, and if not, why (in words a user can act on). The
+    answer is kept on the bake for `execute`, which runs right after it."""
+    status = bake.checked[module.NAME] = _check(bake, module)
+    return status
+
+
+def _check(bake: Bake, module: ModuleType) -> Status:
     try:
         inputs = module.inputs(bake)
     except NotReady as e:
@@ -81,7 +90,8 @@ def check(bake: Bake, module: ModuleType) -> Status:
 
 def execute(bake: Bake, module: ModuleType) -> bool:
     """Run a step unless it is up to date. Returns True when it did work."""
-    status = check(bake, module)
+    status = bake.checked.pop(module.NAME, None) or check(bake, module)
+    bake.checked.pop(module.NAME, None)
     if status.up_to_date:
         bake.hashes.save()
         return False
@@ -111,22 +121,4 @@ def execute(bake: Bake, module: ModuleType) -> bool:
         ),
     )
     bake.hashes.save()
-    return True
-
-
-def action(bake: Bake, module: ModuleType):
-    """A step as a doit action: errors are kept on the bake, to be told as one line by the
-    caller, and doit is only told that the task failed."""
-    from doit.exceptions import TaskFailed
-
-    from ..errors import RunStopped
-
-    try:
-        if bake.folder.stop_request.exists():
-            raise RunStopped(f"stopped before {module.NAME}, on request; bake again to go on")
-        did = execute(bake, module)
-    except Exception as e:  # every error reaches the user through bake.error
-        bake.error = e
-        return TaskFailed(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    (bake.ran if did else bake.skipped).append(module.NAME)
     return True

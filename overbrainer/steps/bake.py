@@ -17,16 +17,17 @@ import json
 import shutil
 from typing import TYPE_CHECKING
 
+from ..folder import BAKED, METRICS
 from ..fsio import replace_folder
 from ..stamps import outputs_digest
 from . import Outputs, upstream
 
 if TYPE_CHECKING:
-    from ..bake.driver import Bake
+    from .context import Bake
 
 NAME = "bake"
 VERSION = 2
-TARGETS = ["baked/"]
+TARGETS = [f"{BAKED}/"]
 
 
 def inputs(bake: Bake) -> dict:
@@ -36,7 +37,7 @@ def inputs(bake: Bake) -> dict:
         "merged": outputs_digest(merge),
         "bake": bake.plan.bake.model_dump(mode="json"),
         # the card's table and loss curve
-        "metrics": outputs_digest(train, "metrics.jsonl"),
+        "metrics": outputs_digest(train, METRICS),
         "card": {
             "name": bake.plan.name,
             "base": bake.plan.base,
@@ -90,4 +91,4 @@ def run(bake: Bake, inputs: dict) -> Outputs:
     plot_loss(metrics, tmp / "loss.png", title=name)
     (tmp / "README.md").write_text(model_card(inputs["card"], metrics, files), encoding="utf-8")
     replace_folder(tmp, folder.baked, fault="bake:before-rename")
-    return Outputs(["baked"])
+    return Outputs([BAKED])

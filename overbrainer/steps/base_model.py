@@ -11,7 +11,7 @@ from . import Outputs
 from .resolve import base_pin
 
 if TYPE_CHECKING:
-    from ..bake.driver import Bake
+    from .context import Bake
 
 NAME = "base"
 VERSION = 2

@@ -11,17 +11,18 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..folder import CHECKPOINTS, CONFIG, EXAMPLES
 from ..fsio import write_atomic
 from ..stamps import outputs_digest
 from . import Outputs, upstream
 
 if TYPE_CHECKING:
-    from ..bake.driver import Bake
     from ..plan import TrainSettings
+    from .context import Bake
 
 NAME = "config"
 VERSION = 1
-TARGETS = ["config.yaml"]
+TARGETS = [CONFIG]
 
 
 def inputs(bake: Bake) -> dict:
@@ -77,7 +78,7 @@ def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: di
         "special_tokens": tokens,
         "datasets": [
             {
-                "path": "examples.parquet",
+                "path": EXAMPLES,
                 "ds_type": "parquet",
                 "type": "chat_template",
                 "field_messages": "messages",
@@ -111,7 +112,7 @@ def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: di
             "min_lr_ratio": 0.0,
         },
         "warmup_steps": steps["warmup"],
-        "output_dir": "checkpoints",
+        "output_dir": CHECKPOINTS,
         "save_steps": train.save_every,
         "eval_steps": train.eval_every,
         "seed": train.seed,
@@ -227,4 +228,4 @@ def run(bake: Bake, inputs: dict) -> Outputs:
 
     write_atomic(bake.folder.config, (header + yaml.safe_dump(cfg, sort_keys=False)).encode())
     # the config as data too: the train step's check reads it from this stamp, not the YAML
-    return Outputs(["config.yaml"], summary={**steps, "memory": memory.as_dict(), "warnings": warnings, "config": cfg})
+    return Outputs([CONFIG], summary={**steps, "memory": memory.as_dict(), "warnings": warnings, "config": cfg})

@@ -6,16 +6,17 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..folder import MERGED
 from ..fsio import replace_folder
 from ..stamps import outputs_digest
 from . import Outputs, upstream
 
 if TYPE_CHECKING:
-    from ..bake.driver import Bake
+    from .context import Bake
 
 NAME = "merge"
 VERSION = 1
-TARGETS = ["merged/"]
+TARGETS = [f"{MERGED}/"]
 
 
 def inputs(bake: Bake) -> dict:
@@ -42,13 +43,13 @@ def run(bake: Bake, inputs: dict) -> Outputs:
         # the job's merge-lora made it from this checkpoint: adopted, not merged again
         if adopt_merged(bake.folder.root, checkpoint, bake.folder.merged, cfg.get("special_tokens") or {}):
             bake.say(f"merge: {bake.shown(checkpoint)} merged by Axolotl's merge-lora")
-            return Outputs(["merged"])
+            return Outputs([MERGED])
     bake.say(f"merge: {bake.shown(checkpoint)} into the base model")
     merge_into(
         Path(inputs["base_folder"]), checkpoint, bake.folder.merged, cfg.get("special_tokens") or {},
         lora=inputs["adapter"] == "lora", trust_remote_code=bool(cfg.get("trust_remote_code")),
     )
-    return Outputs(["merged"])
+    return Outputs([MERGED])
 
 
 def merge_into(base_folder: Path, checkpoint: Path, dest: Path, special_tokens: dict, lora: bool,

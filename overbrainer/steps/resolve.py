@@ -5,18 +5,19 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from .. import __version__
 from ..errors import OverbrainerError
+from ..folder import PLAN_JSON
 from ..fsio import write_atomic
 from ..inputs.base_model import pin_base
+from ..version import __version__
 from . import Outputs
 
 if TYPE_CHECKING:
-    from ..bake.driver import Bake
+    from .context import Bake
 
 NAME = "resolve"
 VERSION = 1
-TARGETS = ["plan.json"]
+TARGETS = [PLAN_JSON]
 
 
 def data_pins(bake: Bake) -> list[dict]:
@@ -55,7 +56,7 @@ def run(bake: Bake, inputs: dict) -> Outputs:
     problems = hardware_problems(bake)
     if problems:
         raise OverbrainerError("\n".join(f"{bake.shown(bake.plan_path)}: {p}" for p in problems))
-    return Outputs(["plan.json"])
+    return Outputs([PLAN_JSON])
 
 
 def hardware_problems(bake: Bake) -> list[str]:

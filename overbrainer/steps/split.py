@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..folder import EXAMPLES
 from . import Outputs
 from .resolve import data_pins
 
 if TYPE_CHECKING:
-    from ..bake.driver import Bake
+    from .context import Bake
 
 NAME = "split"
 VERSION = 1
-TARGETS = ["examples.parquet"]
+TARGETS = [EXAMPLES]
 
 
 def inputs(bake: Bake) -> dict:
@@ -37,4 +38,4 @@ def run(bake: Bake, inputs: dict) -> Outputs:
         f"split: {s['rows']} conversations ({s['train']} train, {s['validation']} validation), "
         f"{s['duplicates']} duplicates dropped"
     )
-    return Outputs(["examples.parquet"], summary=s)
+    return Outputs([EXAMPLES], summary=s)

@@ -13,16 +13,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import OverbrainerError, RunFailed, RunStopped
+from ..folder import CHECKPOINTS, LOG, METRICS, RunFolder
 from ..stamps import fingerprint, outputs_digest
 from ..trainers import checkpoint as ckpt
 from . import NotReady, Outputs, upstream
 
 if TYPE_CHECKING:
-    from ..bake.driver import Bake
+    from .context import Bake
 
 NAME = "train"
 VERSION = 1
-TARGETS = ["checkpoints/", "metrics.jsonl", "log.txt"]
+TARGETS = [f"{CHECKPOINTS}/", METRICS, LOG]
 
 
 def inputs(bake: Bake) -> dict:
@@ -61,7 +62,7 @@ def run(bake: Bake, inputs: dict) -> Outputs:
     max_steps = inputs["config"]["max_steps"]
     code = launch(bake, fp, max_steps)
     if code != 0:
-        said = folder.root / "trainer-error.txt"
+        said = folder.trainer_error
         if said.exists():  # the trainer said why, in one line
             raise RunFailed(f"training failed: {said.read_text().strip()}", log_tail="")
         raise RunFailed(
@@ -87,7 +88,7 @@ def run(bake: Bake, inputs: dict) -> Outputs:
         "peak_memory": meta.get("peak_memory"),
         "device": meta.get("device"),
     }
-    return Outputs(["checkpoints", "metrics.jsonl"], summary=summary)
+    return Outputs([CHECKPOINTS, METRICS], summary=summary)
 
 
 def set_aside_other_runs(run_dir: Path, checkpoints: Path, fp: str) -> None:
@@ -98,12 +99,12 @@ def set_aside_other_runs(run_dir: Path, checkpoints: Path, fp: str) -> None:
         return
     old = ckpt.read_meta(others[-1]).get("fingerprint") or "unknown"
     when = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-    dest = run_dir / "attic" / f"{when}-{old[:8]}"
+    dest = RunFolder(run_dir).attic / f"{when}-{old[:8]}"
     dest.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(checkpoints), str(dest / "checkpoints"))
-    metrics = run_dir / "metrics.jsonl"
+    shutil.move(str(checkpoints), str(dest / CHECKPOINTS))
+    metrics = RunFolder(run_dir).metrics
     if metrics.exists():
-        shutil.move(str(metrics), str(dest / "metrics.jsonl"))
+        shutil.move(str(metrics), str(dest / METRICS))
 
 
 def launch(bake: Bake, fp: str, max_steps: int) -> int:

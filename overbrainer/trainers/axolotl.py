@@ -54,20 +54,27 @@ from pathlib import Path
 import yaml
 
 from ..errors import OverbrainerError
+from ..folder import (
+    AXOLOTL_JOB,
+    CHECKPOINTS,
+    CONFIG,
+    EXAMPLES,
+    LOG,
+    MERGED,
+    META,
+    METRICS,
+    STOPPED,
+    TRAINER_ERROR,
+)
 from ..fsio import replace_folder, write_atomic
 from ..portable import SHIPPED, ship
 from .protocol import STAGE_MERGE, STAGE_TRAIN, Artifacts, NoTrainingData
 
-CONFIG = "config.yaml"
-EXAMPLES = "examples.parquet"
-METRICS = "metrics.jsonl"
-STOPPED = "stopped.json"
-JOB_DIR = "axolotl-job"
+JOB_DIR = AXOLOTL_JOB
 JOB_CONFIG = f"{JOB_DIR}/config.yaml"
 MERGED_DIR = f"{JOB_DIR}/merged"
 PLUGIN_CLASS = f"{SHIPPED}.axolotl_plugin.OverbrainerPlugin"
-META = "meta.json"
-ERROR_FILE = "trainer-error.txt"  # one line the plugin writes when it refuses the config
+ERROR_FILE = TRAINER_ERROR  # one line the plugin writes when it refuses the config
 
 
 class AxolotlConfigError(OverbrainerError):
@@ -114,7 +121,7 @@ class Axolotl:
         job_cfg = job_config(cfg, has_validation=rows["validation"] > 0, key=_data_key(examples, run_dir / CONFIG))
         unknown = []
         if self.here:
-            env = tools.axolotl_env(say=self.say, log=run_dir / "log.txt")
+            env = tools.axolotl_env(say=self.say, log=run_dir / LOG)
             unknown = unknown_keys(job_cfg, tools.axolotl_keys(env))
         if unknown:
             raise AxolotlConfigError(
@@ -124,7 +131,7 @@ class Axolotl:
             )
 
         ship(job)
-        write_atomic(job / "config.yaml", "# written by overbrainer from ../config.yaml before each job\n"
+        write_atomic(job / CONFIG, "# written by overbrainer from ../config.yaml before each job\n"
                     + yaml.safe_dump(job_cfg, sort_keys=False))
         _remove_stale(run_dir, job, job_cfg["dataset_prepared_path"])
         for said in (STOPPED, ERROR_FILE):
@@ -172,8 +179,8 @@ class Axolotl:
         return METRICS
 
     def artifacts(self) -> Artifacts:
-        return Artifacts(entries=["checkpoints", METRICS, "log.txt", STOPPED, MERGED_DIR],
-                         exclude=[".tmp-*", ".*.tmp"], required="checkpoints")
+        return Artifacts(entries=[CHECKPOINTS, METRICS, LOG, STOPPED, MERGED_DIR],
+                         exclude=[".tmp-*", ".*.tmp"], required=CHECKPOINTS)
 
     def stop_marker(self) -> str | None:
         return STOPPED
@@ -205,7 +212,7 @@ def job_config(cfg: dict, has_validation: bool, key: str) -> dict:
         out["eval_strategy"] = "no"  # eval_steps stays: the plugin logs eval_loss null then
     out.update(
         plugins=[PLUGIN_CLASS],
-        output_dir="checkpoints",
+        output_dir=CHECKPOINTS,
         save_strategy="steps",
         logging_steps=1,
         auto_resume_from_checkpoints=True,
@@ -280,12 +287,12 @@ def _data_key(*files: Path) -> str:
 
 def _remove_stale(run_dir: Path, job: Path, prepared: str) -> None:
     """What a killed or older job left that must not be used."""
-    checkpoints = run_dir / "checkpoints"
+    checkpoints = run_dir / CHECKPOINTS
     if checkpoints.is_dir():
         for p in checkpoints.glob("checkpoint-*"):
             if p.is_dir() and not (p / META).is_file():
                 shutil.rmtree(p, ignore_errors=True)  # half-written: Axolotl would resume from it
-    shutil.rmtree(job / "merged", ignore_errors=True)
+    shutil.rmtree(job / MERGED, ignore_errors=True)
     keep = (run_dir / prepared).name
     if (job / "prepared").is_dir():
         for p in (job / "prepared").iterdir():

@@ -25,11 +25,11 @@ import os
 import shutil
 from pathlib import Path
 
+from ..folder import META
 from ..fsio import fsync_dir, fsync_tree
 from ..hashing import hash_file
 from ..portable import faults
 
-META = "meta.json"
 STATE = "trainer_state.pt"
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from overbrainer.bake.driver import compile_bake
-from overbrainer.bake.graph import STEPS
+from overbrainer.graph.driver import compile_bake
+from overbrainer.graph.tasks import STEPS
 from overbrainer.stamps import read_stamp
 from overbrainer.steps import check
 from overbrainer.trainers import checkpoint as ckpt
@@ -83,7 +83,7 @@ def finished_checkpoints(folder: Path) -> dict[int, dict]:
 
 def assert_nothing_half_done_passes(plan: Path, runs: Path) -> None:
     """Every step with a stamp must still be up to date: a stamp never covers a torn output."""
-    compiled = compile_bake(plan, runs=runs, quiet=True)
+    compiled = compile_bake(plan, runs=runs)
     for module in STEPS:
         if read_stamp(compiled.folder.stamp(module.NAME)) is not None:
             status = check(compiled, module)

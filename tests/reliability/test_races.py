@@ -10,7 +10,7 @@ import time
 from helpers import cli
 
 from overbrainer import Run
-from overbrainer.runs.record import STATES
+from overbrainer.journal import STATES
 
 
 def test_status_stop_and_resume_racing_a_bake(project, tmp_path, references):

@@ -9,12 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ...folder import CHECKPOINTS, CONFIG, EXAMPLES, LOG, METRICS, STOPPED, TRAINER_ERROR
 from ..protocol import STAGE_TRAIN, Artifacts, NoTrainingData
-
-CONFIG = "config.yaml"
-EXAMPLES = "examples.parquet"
-METRICS = "metrics.jsonl"
-STOPPED = "stopped.json"
 
 
 class Builtin:
@@ -57,8 +53,8 @@ class Builtin:
         return METRICS
 
     def artifacts(self) -> Artifacts:
-        return Artifacts(entries=["checkpoints", METRICS, "log.txt", STOPPED, "trainer-error.txt"], exclude=[".tmp-*"],
-                         required="checkpoints")
+        return Artifacts(entries=[CHECKPOINTS, METRICS, LOG, STOPPED, TRAINER_ERROR], exclude=[".tmp-*"],
+                         required=CHECKPOINTS)
 
     def stop_marker(self) -> str | None:
         return STOPPED

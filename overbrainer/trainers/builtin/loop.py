@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from ...folder import TRAINER_ERROR, RunFolder
 from ...portable import faults
 from ...portable.common import die_with_parent, phase_of, truncate_metrics
 from .. import checkpoint as ckpt
@@ -34,7 +35,7 @@ STOP_EXIT = 0  # a stop on request is a success: the stopped marker says it was 
 OOM_EXIT = 5
 
 
-ERROR_FILE = "trainer-error.txt"  # one line: why the trainer gave up, for the bake to tell
+ERROR_FILE = TRAINER_ERROR
 
 
 class DiskFull(Exception):
@@ -271,8 +272,9 @@ def out_of_memory(t: Training) -> GiveUp:
 def train(config_path: Path) -> int:
     cfg = yaml.safe_load(config_path.read_text())
     run_dir = config_path.parent
-    metrics_path = run_dir / "metrics.jsonl"
-    stop_request, stopped_marker = run_dir / "stop", run_dir / "stopped.json"
+    folder = RunFolder(run_dir)
+    metrics_path = folder.metrics
+    stop_request, stopped_marker = folder.stop_request, folder.stopped_marker
     t = setup(cfg, run_dir)
     world, max_steps = t.world, cfg["max_steps"]
     save_every, eval_every = cfg["save_steps"], cfg["eval_steps"]
@@ -389,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         # under torchrun: die with it (a killed bake kills torchrun, which cannot then
         # take its workers down; a parent-death signal is not inherited across fork)
         die_with_parent()
-    _stop_on_signal(config.parent / "stop")
+    _stop_on_signal(RunFolder(config.parent).stop_request)
     try:
         return train(config)
     except DiskFull as e:
@@ -398,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(config.parent, str(e), e.code)
 
 
-def _exit_now(code: int) -> None:
+def exit_now(code: int) -> None:
     """End the process at once, its files closed and its output flushed.
 
     Everything is on disk by now (checkpoints and metric lines are written and renamed
@@ -411,4 +413,4 @@ def _exit_now(code: int) -> None:
 
 
 if __name__ == "__main__":
-    _exit_now(main())
+    exit_now(main())

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .record import Run
+from typing import Protocol
 
 __all__ = ["follow", "describe"]
+
+
+class Followed(Protocol):
+    """What following needs of a run (`run.Run` has it)."""
+
+    def progress(self) -> dict: ...
 
 
 def describe(p: dict) -> str:
@@ -41,9 +44,9 @@ def _duration(seconds: float) -> str:
     return f"{seconds}s"
 
 
-def follow(run: Run, poll: float = 0.5, show: bool = True, out=None) -> str:
+def follow(run: Followed, poll: float = 0.5, show: bool = True, out=None) -> str:
     """Follow `run` until it is no longer active; return its final state."""
-    from .record import ACTIVE
+    from ..journal import ACTIVE
 
     out = out or sys.stderr
     bar = None

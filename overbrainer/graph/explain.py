@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING
 
 from ..errors import OverbrainerError
 from ..stamps import input_changes, read_stamp, short
-from .graph import DEPS, STEPS, downstream
+from .tasks import DEPS, STEPS, downstream
 
 if TYPE_CHECKING:
-    from .driver import Bake
+    from ..steps.context import Bake
 
 __all__ = ["StepState", "STATUSES", "FORMATS", "steps", "survey", "why", "why_text", "render", "as_json"]
 
@@ -90,10 +90,10 @@ def _in_progress(bake: Bake) -> str | None:
     """The step a live bake of this folder is doing now, if one is under way."""
     if not bake.folder.run_json.exists():
         return None
-    from ..runs.record import ACTIVE, Run
+    from .. import journal
 
-    status = Run(bake.folder.root).status  # a process that died is not shown as running
-    if status.get("state") not in ACTIVE:
+    status = journal.status(bake.folder)  # a process that died is not shown as running
+    if status.get("state") not in journal.ACTIVE:
         return None
     if status.get("task") in DEPS:
         return status["task"]
@@ -153,7 +153,7 @@ def _before(name: str) -> set[str]:
 def _changes(bake: Bake, name: str) -> list[dict]:
     """What differs between a step's stamp and now: its code, its inputs, its outputs."""
     from ..steps import NotReady
-    from .graph import step as step_module
+    from .tasks import step as step_module
 
     module = step_module(name)
     stamp = read_stamp(bake.folder.stamp(name))

@@ -18,16 +18,18 @@ Every task is a subtask of the group ``train``, so ``doit train plan=...`` runs 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from types import ModuleType
 from typing import TYPE_CHECKING
 
-from ..steps import action, check, config, merge, resolve, split, train
 from ..steps import bake as bake_step
 from ..steps import base_model as base_step
+from ..steps import check, config, execute, merge, resolve, split, train
 
 if TYPE_CHECKING:
-    from .driver import Bake
+    from ..steps.context import Bake
 
-__all__ = ["STEPS", "DEPS", "GROUP", "doit_tasks", "step"]
+__all__ = ["STEPS", "DEPS", "GROUP", "Outcome", "doit_tasks", "step"]
 
 GROUP = "train"
 STEPS = (resolve, base_step, split, config, train, merge, bake_step)
@@ -40,6 +42,17 @@ DEPS: dict[str, tuple[str, ...]] = {
     "merge": ("train",),
     "bake": ("merge",),
 }
+
+
+@dataclass
+class Outcome:
+    """What a bake did: the steps it ran and those already done, in order, and the error
+    that ended it (None: it went through). `code` is doit's exit code."""
+
+    ran: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    error: BaseException | None = None
+    code: int = 0
 
 
 def step(name: str):
@@ -88,15 +101,15 @@ def remove_stamp(bake: Bake, module, dryrun: bool = False) -> None:
     print(f"{GROUP}:{module.NAME} - {verb} its stamp '{stamp}'; kept its outputs: {kept or '(none yet)'}")
 
 
-def doit_tasks(bake: Bake):
-    """The doit task dictionaries of a bake, in order."""
+def doit_tasks(bake: Bake, done: Outcome):
+    """The doit task dictionaries of a bake, in order; what they do is recorded in `done`."""
     folder = bake.folder
     for module in STEPS:
         yield {
             "basename": GROUP,
             "name": module.NAME,
             "doc": (module.__doc__ or "").strip().splitlines()[0],
-            "actions": [(action, [bake, module])],
+            "actions": [(action, [bake, done, module])],
             "file_dep": [str(folder.stamp(d)) for d in DEPS[module.NAME]],
             "targets": [str(folder.stamp(module.NAME))],
             "uptodate": [_UpToDate(bake, module)],
@@ -104,3 +117,21 @@ def doit_tasks(bake: Bake):
             "clean": [(remove_stamp, [bake, module])],
             "verbosity": 2,
         }
+
+
+def action(bake: Bake, done: Outcome, module: ModuleType):
+    """A step as a doit action: its error is kept on `done`, to be told as one line by the
+    caller, and doit is only told that the task failed."""
+    from doit.exceptions import TaskFailed
+
+    from ..errors import RunStopped
+
+    try:
+        if bake.folder.stop_request.exists():
+            raise RunStopped(f"stopped before {module.NAME}, on request; bake again to go on")
+        did = execute(bake, module)
+    except Exception as e:  # every error reaches the user through done.error
+        done.error = e
+        return TaskFailed(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    (done.ran if did else done.skipped).append(module.NAME)
+    return True

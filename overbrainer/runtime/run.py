@@ -1,25 +1,8 @@
 """A run: a folder, a process of its own, and a model at the end.
 
-(A private module: the public names are ``overbrainer.Run``, ``overbrainer.run`` and
-``overbrainer.runs``; a module named ``run`` would shadow the function ``overbrainer.run``.)
+(The public names are ``overbrainer.Run``, ``overbrainer.run`` and ``overbrainer.runs``.)
 
-``run.json`` is the run's state, written atomically by the process that bakes the folder
-(the supervisor) and read by anyone::
-
-    {
-      "state": "running",          # planned starting running stopping stopped done failed
-      "where": "here",
-      "plan_file": "/abs/plans/demo.json",
-      "process": {"pid": 4242, "create_time": 1733150000.12, "host": "box"},
-      "step": 18, "steps": 54,
-      "reason": null,              # why it is stopped or failed, in words
-      "result": {"ran": [...], "skipped": [...], "error": null, "kind": null},
-      "attempts": [{"start": "...", "end": "...", "pid": 4242, "exit": 0, "reason": "done"}]
-    }
-
-A process that ended without saying so (killed, crashed, the machine rebooted) is shown as
-``failed`` with the reason "process ended without saying so", never as running: the pid is
-checked together with its create time, so a reused pid is not mistaken for the run.
+``run.json``'s format and the rules of writing it are ``journal.py``'s.
 """
 
 from __future__ import annotations
@@ -28,49 +11,19 @@ import csv
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import journal
 from ..errors import RunFailed, RunStateError
 from ..folder import RunFolder, runs_root
-from ..fsio import write_atomic
+from ..journal import ACTIVE, FINAL, STATES
+from ..portable.common import now
 
-__all__ = ["Run", "runs", "STATES", "ACTIVE", "FINAL"]
-
-STATES = ("planned", "starting", "running", "stopping", "stopped", "done", "failed")
-ACTIVE = ("starting", "running", "stopping")
-FINAL = ("stopped", "done", "failed")
-DIED = "process ended without saying so"
-
-
-def now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def this_process() -> dict:
-    import psutil
-
-    me = psutil.Process()
-    return {"pid": me.pid, "create_time": me.create_time(), "host": socket.gethostname()}
-
-
-def alive(process: dict | None) -> bool:
-    """Whether the process a run.json names is still the one that wrote it."""
-    if not process:
-        return False
-    import psutil
-
-    if process.get("host") not in (None, socket.gethostname()):
-        return True  # another machine's process: this one cannot tell
-    try:
-        p = psutil.Process(process["pid"])
-        return abs(p.create_time() - process["create_time"]) < 1.0 and p.status() != psutil.STATUS_ZOMBIE
-    except (psutil.Error, KeyError, TypeError):
-        return False
+__all__ = ["Run", "runs", "launch", "start_unless_done", "Started", "STATES", "ACTIVE", "FINAL"]
 
 
 class Run:
@@ -89,21 +42,12 @@ class Run:
     # -- state ---------------------------------------------------------------------------
 
     def _read(self) -> dict:
-        try:
-            data = json.loads(self.folder.run_json.read_text())
-            return data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            return {}
+        return journal.read(self.folder)
 
     @property
     def status(self) -> dict:
         """run.json, with a process that ended without saying so shown as such."""
-        data = self._read()
-        if not data:
-            data = {"state": "planned" if self.folder.plan_json.exists() else "unknown"}
-        if data.get("state") in ACTIVE and not alive(data.get("process")):
-            data = {**data, "state": "failed", "reason": DIED}
-        return data
+        return journal.status(self.folder)
 
     @property
     def state(self) -> str:
@@ -122,26 +66,8 @@ class Run:
             raise RunStateError(f"{self.folder.root}: no plan.json; bake a plan into this folder first") from None
 
     def update(self, _only_if: tuple[str, ...] | None = None, **fields) -> dict:
-        """Change run.json (what the supervisor does; also `stop`). Read-modify-write under
-        a lock, so that a `stop` and the supervisor's step count never undo each other;
-        with `_only_if`, only while the state is one of those (a stop that comes as the
-        run ends must not turn its final state back into "stopping")."""
-        import fcntl
-
-        self.folder.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.folder.root / ".run.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            data = self._read()
-            if _only_if is not None and data.get("state") not in _only_if:
-                return data
-            if data.get("state") == "stopping" and fields.get("state") == "running":
-                fields = {k: v for k, v in fields.items() if k != "state"}  # a stop asked stays asked
-            data.update(fields)
-            write_atomic(self.folder.run_json, (json.dumps(data, indent=1) + "\n").encode(), fault="runjson:before-replace")
-            return data
-        finally:
-            os.close(fd)
+        """Change run.json (``journal.update``): what the supervisor does, and `stop`."""
+        return journal.update(self.folder, _only_if, **fields)
 
     # -- the process ---------------------------------------------------------------------
 
@@ -156,18 +82,17 @@ class Run:
         thread of this one (which ends with it)."""
         if self.state in ACTIVE:
             return self
-        plan_file = self._plan_file()
+        from ..graph.driver import compile_bake, run_bake
+
+        bake = compile_bake(self._plan_file(), runs=self.folder.root.parent)
         self.folder.stop_request.unlink(missing_ok=True)
         before = self.attempts()
         if process:
-            child = launch(plan_file, self.folder)
+            child = launch(bake)
         else:
             child = None
             import threading
 
-            from ..bake.driver import compile_bake, run_bake
-
-            bake = compile_bake(plan_file, runs=self.folder.root.parent, quiet=True)
             threading.Thread(target=run_bake, args=(bake,), daemon=True, name=f"overbrainer-{self.name}").start()
         self.wait_started(before, child)
         return self
@@ -338,21 +263,59 @@ def _steps_from_config(config: Path) -> int | None:
         return None
 
 
-def launch(plan_file: str | os.PathLike, folder: RunFolder) -> subprocess.Popen:
-    """Start `overbrainer bake --foreground` in a new session: it outlives the terminal (a
-    hang-up does not reach it) and the process that started it. What it says goes to the
-    run's log.txt, after the trainer's."""
+@dataclass
+class Started:
+    """What `start_unless_done` did: ``how`` is "started" (a new process, `pid`),
+    "running" (one was under way: followed, not doubled) or "done" (nothing to run;
+    `rows` are the dry run's)."""
+
+    run: Run
+    how: str
+    pid: int | None = None
+    rows: list[dict] = field(default_factory=list)
+
+
+def start_unless_done(bake) -> Started:
+    """A compiled bake's run, started in a process of its own unless one is running already
+    or every step is up to date: what ``overbrainer bake`` and ``overbrainer.bake()`` do."""
+    from ..graph.driver import dry_run
+
+    run = Run(bake.folder.root)
+    if run.state in ACTIVE:
+        return Started(run, "running")
+    rows = dry_run(bake)
+    if not any(row["run"] for row in rows):
+        return Started(run, "done", rows=rows)
+    before = run.attempts()
+    child = launch(bake)
+    run.wait_started(before, child)
+    return Started(run, "started", child.pid, rows)
+
+
+def launch(bake) -> subprocess.Popen:
+    """Start `overbrainer bake --foreground` on the compiled `bake` in a new session: it
+    outlives the terminal (a hang-up does not reach it) and the process that started it.
+    It takes the bake as this process compiled it (``--compiled -``, on its stdin), not the
+    plan file as it may be by then. What it says goes to the run's log.txt, after the
+    trainer's."""
+    folder = bake.folder
     folder.root.mkdir(parents=True, exist_ok=True)
     with open(folder.log, "ab") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "overbrainer.cli", "bake", str(plan_file), "--foreground", "--quiet",
-             "--runs", str(folder.root.parent)],
-            stdin=subprocess.DEVNULL,
+        child = subprocess.Popen(
+            [sys.executable, "-m", "overbrainer.cli", "bake", str(bake.plan_path), "--foreground", "--quiet",
+             "--runs", str(folder.root.parent), "--compiled", "-"],
+            stdin=subprocess.PIPE,
             stdout=log,
             stderr=log,
             start_new_session=True,
             close_fds=True,
         )
+    try:
+        child.stdin.write(json.dumps(bake.handoff()).encode())
+        child.stdin.close()
+    except BrokenPipeError:
+        pass  # it ended at once: wait_started tells why
+    return child
 
 
 def runs(root: str | os.PathLike | None = None) -> list[Run]:
@@ -360,4 +323,4 @@ def runs(root: str | os.PathLike | None = None) -> list[Run]:
     root = Path(root).absolute() if root else runs_root()
     if not root.is_dir():
         return []
-    return [Run(p) for p in sorted(root.iterdir()) if (p / "plan.json").is_file() or (p / "run.json").is_file()]
+    return [Run(p) for p in sorted(root.iterdir()) if RunFolder(p).plan_json.is_file() or RunFolder(p).run_json.is_file()]

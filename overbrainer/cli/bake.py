@@ -1,0 +1,170 @@
+"""The commands that bake a plan: ``bake`` (with --dry-run, --check, --detach, --foreground)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..errors import OverbrainerError
+from ..folder import RunFolder
+from .common import shown
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("bake", help="bake a plan: run every step that is not up to date")
+    p.add_argument("plan", help="the plan file, e.g. plans/demo.json")
+    p.add_argument("--dry-run", action="store_true", help="list the steps that would run, and why")
+    p.add_argument("--check", action="store_true",
+                   help="run nothing: exit 0 when everything is up to date, 1 when a step would run (listed, with why)")
+    p.add_argument("--json", action="store_true", help="end with one JSON object (folder, steps run and skipped, state)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--detach", action="store_true", help="start the run in its own process and return at once")
+    mode.add_argument("--foreground", action="store_true", help="run in this process (what CI and doit want)")
+    p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--runs", dest="runs_here", help=argparse.SUPPRESS)
+    # the bake as the process that launched this one compiled it (JSON on stdin)
+    p.add_argument("--compiled", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_bake)
+
+
+def cmd_bake(args) -> int:
+    from ..graph.driver import compile_bake, dry_run
+
+    out = sys.stderr if args.json else sys.stdout
+    say = None if args.quiet else (lambda message: print(message, file=out, flush=True))
+    if args.compiled == "-" and args.foreground:
+        from ..steps.context import Bake
+
+        bake = Bake.from_handoff(json.load(sys.stdin), **({"say": say} if say else {}))
+    else:
+        bake = compile_bake(args.plan, runs=args.runs, say=say)
+    report = {"folder": str(bake.folder.root), "plan": bake.plan.name}
+    if args.check:
+        return _bake_check(bake, report, args.json, out)
+    if args.dry_run:
+        from ..graph.driver import memory_estimate
+
+        rows = dry_run(bake)
+        for row in rows:
+            mark = "run " if row["run"] else "ok  "
+            print(f"{mark} {row['step']:<8} {row['why']}", file=out)
+        memory = memory_estimate(bake)
+        if memory is not None:
+            print(memory if isinstance(memory, str) else memory.describe(), file=out)
+        if args.json:
+            extra = {"memory": memory.as_dict() if hasattr(memory, "as_dict") else memory}
+            print(json.dumps({**report, "steps": rows, "would_run": [r["step"] for r in rows if r["run"]], **extra}))
+        return 0
+    if args.foreground:
+        return _bake_here(bake, report, args.json, out, args.quiet)
+    return _bake_detached(bake, report, args, out)
+
+
+def _bake_check(bake, report: dict, as_json: bool, out) -> int:
+    """``bake --check``: like ``make -q``, the exit code says whether anything would run."""
+    from ..graph.driver import would_run
+
+    rows = would_run(bake)
+    for row in rows:
+        print(f"would run {row['step']:<8} {row['why']}", file=out)
+    if not rows:
+        print(f"everything is up to date: {bake.shown(bake.folder.baked)}", file=out)
+    if as_json:
+        print(json.dumps({**report, "up_to_date": not rows, "would_run": [r["step"] for r in rows], "steps": rows}))
+    return 1 if rows else 0
+
+
+def _bake_here(bake, report: dict, as_json: bool, out, quiet: bool) -> int:
+    """The bake in this process. Ctrl-C (or SIGTERM) asks the trainer to save and stop;
+    a second Ctrl-C abandons at once."""
+    import signal
+
+    from ..graph.driver import run_bake
+
+    asked = []
+
+    def ask_stop(signum, frame):
+        if asked and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        asked.append(signum)
+        bake.folder.stop_request.write_text("signal\n")
+        bake.say("stopping at the next step, with a checkpoint (Ctrl-C again to abandon)")
+
+    signal.signal(signal.SIGINT, ask_stop)
+    signal.signal(signal.SIGTERM, ask_stop)
+    try:
+        done = run_bake(bake)
+    except OverbrainerError:
+        raise  # AlreadyRunning: nothing of this folder was touched
+    report.update(ran=done.ran, skipped=done.skipped)
+    return finish(bake.folder.root, report, as_json, out, quiet)
+
+
+def _bake_detached(bake, report: dict, args, out) -> int:
+    from ..runtime.follow import follow
+    from ..runtime.run import start_unless_done
+
+    started = start_unless_done(bake)
+    run = started.run
+    if started.how == "running":
+        pid = run.status.get("process", {}).get("pid")
+        print(f"{shown(bake.folder.root)} is already running (process {pid}); following it", file=out)
+        if args.detach:
+            return 0
+    elif started.how == "done":
+        report.update(ran=[], skipped=[r["step"] for r in started.rows], state="done", baked=str(bake.folder.baked))
+        print(f"everything is up to date: {shown(bake.folder.baked)}", file=out)
+        return _done(report, args.json, out, bake.folder.root)
+    elif args.detach:
+        where = shown(bake.folder.root)
+        print(f"started {where} (process {started.pid}); `overbrainer status {where}` shows it", file=out)
+        if args.json:
+            print(json.dumps({**report, "state": run.state, "pid": started.pid}))
+        return 0
+    try:
+        follow(run, poll=0.5, out=out)
+    except KeyboardInterrupt:
+        where = shown(bake.folder.root)
+        print(f"\nstopped following; the run goes on. `overbrainer stop {where}` stops it", file=sys.stderr)
+        return 130
+    return finish(bake.folder.root, report, args.json, out, False)
+
+
+def finish(folder: Path, report: dict, as_json: bool, out, quiet: bool) -> int:
+    """Tell how the last bake of `folder` ended, from its run.json; the exit code."""
+    from ..runtime.run import Run
+
+    status = Run(folder).status
+    result = status.get("result") or {}
+    report.update(ran=result.get("ran", report.get("ran", [])), skipped=result.get("skipped", report.get("skipped", [])))
+    state = status["state"]
+    report["state"] = state
+    if state == "done":
+        report["baked"] = str(RunFolder(Path(folder)).baked)
+        if not quiet:
+            where = shown(RunFolder(Path(folder)).baked)
+            print(f"baked: {where}" if report["ran"] else f"everything is up to date: {where}", file=out)
+        return _done(report, as_json, out, folder, quiet)
+    reason = status.get("reason") or state
+    report["error" if state == "failed" else "message"] = reason
+    if as_json:
+        print(json.dumps(report))
+    if state == "stopped":
+        if not quiet:
+            print(reason, file=out)
+        return 0
+    if not quiet:
+        print(f"error: {reason}", file=sys.stderr)
+        if result.get("log_tail"):
+            print(result["log_tail"], file=sys.stderr)
+    return 2 if result.get("kind") == "input" else 1
+
+
+def _done(report: dict, as_json: bool, out, folder: Path, quiet: bool = False) -> int:
+    if not quiet:
+        print(f'talk to it: overbrainer chat {shown(folder)} "Hello!"', file=out)
+    if as_json:
+        print(json.dumps(report))
+    return 0

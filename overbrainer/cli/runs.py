@@ -1,0 +1,218 @@
+"""The commands on runs: ``status``, ``runs``, ``stop``, ``resume``, ``wait``, ``metrics``, ``log``, ``checkpoints``, ``import``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from .bake import finish
+from .common import find_run, shown
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("status", help="a run's state and progress (all runs without RUN)")
+    p.add_argument("run", nargs="?")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("runs", help="every run, a line each")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_runs)
+
+    p = sub.add_parser("stop", help="ask a run to save a checkpoint and stop at its next step")
+    p.add_argument("run")
+    p.add_argument("--no-wait", action="store_true", help="ask, and return at once")
+    p.add_argument("--timeout", type=float, default=600, help="seconds to wait for it (default 600)")
+    p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("resume", help="continue a stopped or failed run from its last checkpoint")
+    p.add_argument("run")
+    p.add_argument("--detach", action="store_true", help="return at once")
+    p.set_defaults(func=cmd_resume)
+
+    p = sub.add_parser("wait", help="follow a run until it ends")
+    p.add_argument("run")
+    p.set_defaults(func=cmd_wait)
+
+    p = sub.add_parser("metrics", help="a run's logged steps, as a table")
+    p.add_argument("run")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="one JSON object per line")
+    fmt.add_argument("--csv", action="store_true")
+    p.set_defaults(func=cmd_metrics)
+
+    p = sub.add_parser("log", help="the trainer's own output (log.txt)")
+    p.add_argument("run")
+    p.add_argument("-n", "--lines", type=int, default=40)
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing what is appended, until the run ends")
+    p.set_defaults(func=cmd_log)
+
+    p = sub.add_parser("checkpoints", help="a run's checkpoints")
+    p.add_argument("run")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_checkpoints)
+
+    p = sub.add_parser("import", help="bring the result of an exported job back into its run, verified")
+    p.add_argument("run", help="the run folder (runs/NAME), its name, or its plan file")
+    p.add_argument("result", help="the result.tar.gz the job wrote")
+    p.set_defaults(func=cmd_import)
+
+
+def cmd_status(args) -> int:
+    from ..runtime.follow import describe
+    from ..runtime.run import runs
+
+    targets = [find_run(args.run, args.runs)] if args.run else runs(args.runs)
+    rows = []
+    for run in targets:
+        status, progress = run.status, run.progress()
+        rows.append({**status, "folder": str(run.folder.root), "progress": progress})
+    if args.json:
+        print(json.dumps(rows[0] if args.run else rows, indent=1))
+        return 0
+    if not rows:
+        print("no runs yet; `overbrainer bake plans/demo.json` makes one")
+    for row in rows:
+        line = f"{shown(Path(row['folder']))}: {describe(row['progress'])}"
+        if row.get("reason"):
+            line += f"  ({row['reason']})"
+        print(line)
+    return 0
+
+
+def cmd_runs(args) -> int:
+    args.run = None
+    return cmd_status(args)
+
+
+def cmd_import(args) -> int:
+    from ..where.receive import import_result
+
+    run = find_run(args.run, args.runs)
+    done = import_result(run.folder.root, Path(args.result), shown=shown)
+    got = done.received
+    plan = shown(Path(done.plan_file)) if done.plan_file else "PLAN"
+    print(f"imported {got.files} files ({got.bytes / 1e6:.1f} MB) into {shown(run.folder.root)}, "
+          f"each checked against the job's manifest ({len(got.listed)} files listed)")
+    if got.state == "failed":
+        print(f"error: {got.reason}; `overbrainer bake {plan}` exports the job again", file=sys.stderr)
+        return 1
+    if got.state == "stopped":
+        print(f"the job stopped at step {got.step}; `overbrainer bake {plan}` exports a bundle that goes on from there")
+    else:
+        print(f"the job is done (step {got.step}); `overbrainer bake {plan}` goes on from here")
+    return 0
+
+
+def cmd_stop(args) -> int:
+    run = find_run(args.run, args.runs)
+    before = run.state
+    if before not in ("starting", "running", "stopping"):
+        print(f"{shown(run.folder.root)} is not running ({before})")
+        return 0
+    state = run.stop(wait=not args.no_wait, timeout=args.timeout)
+    steps = run.checkpoints()
+    last = f"; last checkpoint: step {steps[-1]}" if steps else ""
+    print(f"{shown(run.folder.root)}: {state}{last}")
+    return 0 if state in ("stopped", "stopping", "done") else 1
+
+
+def cmd_resume(args) -> int:
+    from ..runtime.follow import follow
+
+    run = find_run(args.run, args.runs)
+    if run.state == "done":
+        print(f"{shown(run.folder.root)} is done; nothing to resume")
+        return 0
+    run.resume()
+    if args.detach:
+        print(f"resumed {shown(run.folder.root)}")
+        return 0
+    follow(run)
+    return finish(run.folder.root, {"folder": str(run.folder.root)}, False, sys.stdout, False)
+
+
+def cmd_wait(args) -> int:
+    from ..runtime.follow import follow
+
+    run = find_run(args.run, args.runs)
+    follow(run)
+    return finish(run.folder.root, {"folder": str(run.folder.root)}, False, sys.stdout, False)
+
+
+def cmd_metrics(args) -> int:
+    run = find_run(args.run, args.runs)
+    if args.json:
+        for record in run.records():
+            print(json.dumps(record))
+        return 0
+    if args.csv:
+        sys.stdout.write(run.metrics_csv())
+        return 0
+    table = run.metrics()
+    columns = [c for c in ("step", "tokens", "loss", "eval_loss", "lr", "seconds", "phase") if c in table.column_names]
+    rows = [[_cell(v) for v in row] for row in zip(*(table.column(c).to_pylist() for c in columns))]
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
+    return 0
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e-2 and value else f"{value:.4f}".rstrip("0").rstrip(".")
+    return str(value)
+
+
+def cmd_log(args) -> int:
+    import time
+
+    from ..journal import ACTIVE
+
+    run = find_run(args.run, args.runs)
+    text = run.log(args.lines)
+    if text:
+        print(text)
+    if not args.follow:
+        return 0
+    size = run.folder.log.stat().st_size if run.folder.log.exists() else 0
+    try:
+        while True:
+            if run.folder.log.exists() and run.folder.log.stat().st_size > size:
+                with open(run.folder.log, "rb") as f:
+                    f.seek(size)
+                    chunk = f.read()
+                size += len(chunk)
+                sys.stdout.write(chunk.decode(errors="replace"))
+                sys.stdout.flush()
+            elif run.state not in ACTIVE:
+                return 0
+            time.sleep(0.3)
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_checkpoints(args) -> int:
+    from ..trainers import checkpoint as ckpt
+
+    run = find_run(args.run, args.runs)
+    rows = []
+    for step, folder in ckpt.complete(run.folder.checkpoints):
+        meta = ckpt.read_meta(folder)
+        rows.append({"step": step, "path": str(folder), "phase": meta.get("phase"), "decayed": meta.get("decayed"),
+                     "loss": meta.get("loss"), "eval_loss": meta.get("eval_loss")})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if not rows:
+        print(f"{shown(run.folder.root)}: no checkpoint yet")
+    for r in rows:
+        note = "" if r["decayed"] else "  (not decayed)"
+        ev = f"  eval {r['eval_loss']:.4f}" if r["eval_loss"] is not None else ""
+        loss = f"  loss {r['loss']:.4f}" if r["loss"] is not None else ""
+        print(f"step {r['step']:>6}  {r['phase']:<7}{loss}{ev}  {shown(Path(r['path']))}{note}")
+    return 0

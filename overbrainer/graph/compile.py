@@ -1,0 +1,46 @@
+"""A plan compiled for its run folder: what `steps.context.Bake` holds.
+
+`compile_bake` checks everything that can be checked without work (the plan, that its data
+files and base exist) so that a bad input fails before a run folder is even made. It reads
+the plan through ``remembered`` (no pydantic while the plan file is unchanged).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import OverbrainerError
+from ..folder import RunFolder, runs_root
+from ..hashing import HashCache
+from ..inputs.base_model import parse_base
+from ..remembered import load as load_plan
+from ..steps.context import Bake
+
+__all__ = ["compile_bake"]
+
+
+def compile_bake(plan_path: str | os.PathLike, runs: str | os.PathLike | None = None,
+                 say: Callable[[str], None] | None = None) -> Bake:
+    """The plan at `plan_path`, compiled for its folder under `runs` (default: the runs
+    folder); `say` gets the bake's lines for the user (default: none)."""
+    plan_path = Path(plan_path).absolute()
+    root = Path(runs).absolute() if runs else runs_root()
+    plan, raw = load_plan(plan_path, root)
+    shown_plan = os.path.relpath(plan_path) if not str(plan_path).startswith("..") else str(plan_path)
+    data_paths = []
+    for i, rel in enumerate(plan.data_files):
+        path = (plan_path.parent / rel).expanduser().absolute()
+        field_name = "data" if isinstance(plan.data, str) else f"data[{i}]"
+        if not path.is_file():
+            what = "is a folder" if path.is_dir() else "no such file"
+            raise OverbrainerError(
+                f"{shown_plan}: {field_name}: {rel!r} {what} (paths are relative to the plan file); fix the path"
+            )
+        data_paths.append(path)
+    base = parse_base(plan.base, plan_path.parent)
+    folder = RunFolder(root / plan.name)
+    options = {"say": say} if say is not None else {}
+    return Bake(plan=plan, plan_path=plan_path, folder=folder, base=base, data_paths=data_paths,
+                hashes=HashCache(folder.hash_cache), plan_bytes=raw, **options)

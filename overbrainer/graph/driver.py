@@ -1,0 +1,190 @@
+"""Running a compiled bake: doit runs its graph in this process, one bake per run folder
+at a time, keeping run.json; and telling what would run, without running it.
+
+`run_bake` returns an `Outcome` (what ran, what was already done, the error); the steps it
+runs are given the `steps.context.Bake` and never see the outcome.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .. import journal
+from ..errors import OverbrainerError, RunStateError
+from ..folder import RunFolder
+from ..fsio import Busy, exclusive
+from ..portable.common import now
+from ..remembered import Remembered, remember
+from ..steps.context import Bake
+from .compile import compile_bake
+from .tasks import Outcome
+
+__all__ = ["Outcome", "run_bake", "dry_run", "would_run", "doit_config", "memory_estimate", "outcome", "AlreadyRunning",
+           "compile_bake"]
+
+
+def doit_config(bake: Bake, done: Outcome, tell_errors: bool = False) -> dict:
+    """doit's settings for a bake: its database in the run folder, and a reporter that
+    speaks in steps (`tell_errors`: it prints the error too, as under ``doit`` alone)."""
+    return {
+        "dep_file": str(bake.folder.doit_db),
+        "backend": "sqlite3",
+        "default_tasks": ["train"],
+        "reporter": _reporter(bake, done, tell_errors),
+        "verbosity": 2,
+    }
+
+
+def run_bake(bake: Bake, task: str = "train") -> Outcome:
+    """Run the graph (or the part of it up to `task`, e.g. ``train:split``) in this process,
+    keeping run.json.
+
+    The run folder's lock is taken before anything is written: a second bake of the same
+    folder fails at once (`AlreadyRunning`) and never touches the first one's files.
+    """
+    from doit.cmd_base import ModuleTaskLoader
+    from doit.doit_cmd import DoitMain
+
+    from .tasks import doit_tasks
+
+    folder = bake.folder
+    folder.root.mkdir(parents=True, exist_ok=True)
+    if bake.plan_bytes is not None and not isinstance(bake.plan, Remembered):
+        remember(bake.plan_path, bake.plan_bytes, bake.plan, folder.root)  # a folder new for this plan
+    done = Outcome()
+    with _one_bake(folder):
+        attempts = journal.read(folder).get("attempts", [])
+        attempt = {"start": now(), "pid": os.getpid()}
+        folder.stop_request.unlink(missing_ok=True)
+        journal.update(folder, state="starting", where="here", plan_file=str(bake.plan_path),
+                       process=journal.this_process(), reason=None, result=None, attempts=[*attempts, attempt])
+        untold, bake.tell = bake.tell, lambda **fields: journal.update(folder, **fields)
+        bake.checked.clear()
+        try:
+            namespace = {"task_train": lambda: doit_tasks(bake, done), "DOIT_CONFIG": doit_config(bake, done)}
+            done.code = DoitMain(ModuleTaskLoader(namespace)).run(["run", task])
+        except BaseException as e:  # Ctrl-C twice, or a bug: the record must say so
+            done.error = done.error or e
+            done.code = 1
+            raise
+        finally:
+            state, reason, kind = outcome(done.error)
+            log_tail = getattr(done.error, "log_tail", "") or ""
+            attempt.update(end=now(), exit=done.code, reason=reason or state)
+            journal.update(folder, state=state, reason=reason, attempts=[*attempts, attempt],
+                           result={"ran": done.ran, "skipped": done.skipped, "error": reason if done.error else None,
+                                   "kind": kind, "log_tail": log_tail})
+            bake.tell = untold
+    return done
+
+
+def outcome(error: BaseException | None) -> tuple[str, str | None, str | None]:
+    """The run state an error ends a bake in, its reason, and its kind (input or run)."""
+    from ..errors import RunStopped
+
+    if error is None:
+        return "done", None, None
+    if isinstance(error, RunStopped):
+        return "stopped", str(error), None
+    if isinstance(error, OverbrainerError):
+        return "failed", str(error), "input"
+    if isinstance(error, KeyboardInterrupt):
+        return "failed", "interrupted", "run"
+    return "failed", str(error) or type(error).__name__, "run"
+
+
+def dry_run(bake: Bake) -> list[dict]:
+    """Each step, whether it would run, and why: nothing is run, and nothing written but
+    the hash cache (a file whose mtime changed is hashed here once, not on every check)."""
+    from ..steps import check
+    from .tasks import DEPS, STEPS
+
+    rows, will_run = [], set()
+    for module in STEPS:
+        after = [d for d in DEPS[module.NAME] if d in will_run]
+        status = check(bake, module)
+        if status.up_to_date and not after:
+            rows.append({"step": module.NAME, "run": False, "why": "up to date"})
+            continue
+        will_run.add(module.NAME)
+        # its own reason when it has one (its inputs or outputs changed); else it only
+        # follows a step before it (waits for it, or is up to date until that one reruns)
+        own = status.fingerprint is not None and not status.up_to_date
+        why = status.reason if own or not after else f"after {', '.join(after)}"
+        rows.append({"step": module.NAME, "run": True, "why": why})
+    if bake.folder.root.is_dir():  # a plan never baked gets no folder from a dry run
+        bake.hashes.save()
+    return rows
+
+
+def would_run(bake: Bake) -> list[dict]:
+    """What ``bake --check`` tells: the steps that would run, with why; empty when
+    everything is up to date. Reads stamps only (no torch), like `dry_run`."""
+    return [row for row in dry_run(bake) if row["run"]]
+
+
+def memory_estimate(bake: Bake):
+    """The sizing estimate (sizing.Estimate) when the base model is already local, else None."""
+    from ..stamps import read_stamp
+    from ..steps.config import size
+
+    stamp = read_stamp(bake.folder.stamp("base"))
+    folder = Path(stamp.summary["folder"]) if stamp else (Path(bake.base.location) if bake.base.kind == "folder" else None)
+    if folder is None or not (folder / "config.json").is_file():
+        return None
+    try:
+        return size(bake.plan.train, folder)
+    except OverbrainerError as e:
+        return str(e)
+
+
+class AlreadyRunning(RunStateError):
+    """Another process bakes this run folder."""
+
+
+@contextmanager
+def _one_bake(folder: RunFolder) -> Iterator[None]:
+    """One bake per run folder: its ``.lock``, held for the bake (``fsio.exclusive``)."""
+    try:
+        with exclusive(folder.lock):
+            yield
+    except Busy as e:
+        holder = f" by process {e.holder}" if e.holder else ""
+        raise AlreadyRunning(f"{folder.root}: already being baked{holder}; follow it with `overbrainer wait`, or stop it") from None
+
+
+def _reporter(bake: Bake, done: Outcome, tell_errors: bool):
+    """A doit reporter that speaks in steps and leaves error messages to the caller."""
+    from doit.reporter import ConsoleReporter
+
+    class BakeReporter(ConsoleReporter):
+        def execute_task(self, task):
+            # run.json names the step under way: what `overbrainer graph` shows as running
+            if ":" in task.name:
+                bake.tell(task=task.name.split(":", 1)[1])
+
+        def skip_uptodate(self, task):
+            if ":" in task.name:
+                done.skipped.append(task.name.split(":", 1)[1])
+
+        def skip_ignore(self, task):
+            pass
+
+        def add_failure(self, task, fail):
+            if done.error is None:  # a failure doit found itself, not one of a step's
+                done.error = OverbrainerError(f"{task.name}: {fail.get_msg().strip().splitlines()[-1]}")
+
+        def complete_run(self):
+            # a step's error is told once, as one line: by the CLI, or here under `doit`
+            if done.error is not None and tell_errors:
+                self.write(f"error: {done.error}\n")
+                tail = getattr(done.error, "log_tail", "")
+                if tail:
+                    self.write(tail + "\n")
+            if self.runtime_errors:
+                self.write("\n".join(self.runtime_errors) + "\n")
+
+    return BakeReporter
