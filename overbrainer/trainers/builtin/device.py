@@ -37,7 +37,7 @@ def problems(device: str, processes: int = 1, adapter: str = "lora", liger: bool
                    "name one of those")
     elif device == "mps" and not torch.backends.mps.is_available():
         out.append('train.device: "mps", but torch sees no Apple GPU here; set train.device to "auto" or "cpu"')
-    on_cuda = gpus > 0 and device in ("auto", "cuda") or device.startswith("cuda:")
+    on_cuda = gpus > 0 and (device in ("auto", "cuda") or device.startswith("cuda:"))
     if on_cuda and processes > gpus:
         out.append(f"train.processes: {processes}, but this machine has {gpus} GPU(s) and each process takes "
                    f'one; set train.processes to at most {gpus}, or train.device "cpu" for CPU processes')
