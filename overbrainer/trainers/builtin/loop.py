@@ -334,6 +334,9 @@ def train(config_path: Path) -> int:
             t.last["eval_loss"] = line["eval_loss"]
         t.seconds = time.monotonic() - started
         line.update(seconds=round(t.seconds, 3), phase=phase)
+        if t.device.type == "cuda":
+            # the most GPU memory held so far (as Axolotl logs it): what sizing is held to
+            line["memory"] = hw.peak_memory(t.device)
         t.last["loss"] = line["loss"]
 
         # log: one metrics line a step (the bake follows the file), and the console
