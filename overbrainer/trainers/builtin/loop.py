@@ -128,7 +128,7 @@ def setup(cfg: dict, run_dir: Path) -> Training:
     fused_loss = bool(cfg.get("liger_fused_linear_cross_entropy"))
     t = Training(
         cfg=cfg, run_dir=run_dir, world=world, device=device, bf16=bf16, model=model,
-        decoder=world.wrap(Decoder(model), device), loss=TokenLoss(fused=fused_loss, mask=device.type == "cuda"),
+        decoder=world.wrap(Decoder(model), device), loss=TokenLoss(fused=fused_loss, mask=device.type != "cuda"),
         train_set=train_set, val_set=val_set, order=Order(len(train_set), mbs * gas, cfg["seed"], lengths),
         pad_id=pad_id, params=params, optimizer=optimizer, scheduler=scheduler,
     )
