@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 
@@ -108,19 +107,11 @@ def pick(setting: str, local_rank: int = 0) -> torch.device:
 
 def use_bf16(setting, device: torch.device) -> bool:
     """Whether to compute in bfloat16: the plan's true or false, or "auto": on a CUDA GPU
-    that computes it natively. On the CPU, "auto" stays float32 (set true to use
-    AVX512-BF16 or AMX, where `cpu_has_bf16` says the CPU has them)."""
+    that computes it natively. On the CPU, "auto" stays float32: set true to use a
+    CPU's AVX512-BF16 or AMX (its results differ from float32's, as a GPU's do)."""
     if setting != "auto":
         return bool(setting)
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
-
-
-def cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
 def configure(device: torch.device, deterministic: bool, tf32: bool) -> None:
