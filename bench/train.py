@@ -65,7 +65,8 @@ def model_folder(name: str) -> Path:
     os.environ.setdefault("OVERBRAINER_CACHE", str(work_dir("cache")))
     if Path(WHEELHOUSE).is_dir():
         os.environ.setdefault("OVERBRAINER_WHEELHOUSE", WHEELHOUSE)
-    from overbrainer.inputs.base_model import materialize, parse_base
+    from overbrainer.inputs.base_cache import materialize
+    from overbrainer.inputs.base_model import parse_base
 
     return materialize(parse_base("smollm2-135m-instruct", Path(".")), log=lambda m: print(m, flush=True))
 

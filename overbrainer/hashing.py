@@ -13,6 +13,8 @@ from pathlib import Path
 
 import blake3
 
+from .fsio import write_atomic
+
 __all__ = ["HashCache", "hash_bytes", "hash_file", "stat_key"]
 
 _CHUNK = 16 * 1024 * 1024
@@ -82,7 +84,5 @@ class HashCache:
         if not self._dirty:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self._entries))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps(self._entries), durable=False)
         self._dirty = False

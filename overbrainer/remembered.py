@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
 from pathlib import Path
 
 from .folder import PLAN_MEMO, default_name
+from .fsio import write_atomic
 
 __all__ = ["Remembered", "load", "validated", "FILE"]
 
@@ -121,8 +121,6 @@ def remember(path: Path, raw: bytes, plan, folder: Path) -> None:
         return
     try:
         memo = {"key": _key(path, raw), "plan": plan.model_dump(mode="json")}
-        tmp = folder / f".{FILE}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(memo))
-        os.replace(tmp, folder / FILE)
+        write_atomic(folder / FILE, json.dumps(memo), durable=False)
     except OSError:
         pass  # a read-only folder: the next check validates again, that is all

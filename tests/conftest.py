@@ -157,7 +157,8 @@ def smollm2(tmp_path_factory):
     import time
 
     from overbrainer.errors import BaseModelError
-    from overbrainer.inputs.base_model import materialize, parse_base
+    from overbrainer.inputs.base_cache import materialize
+    from overbrainer.inputs.base_model import parse_base
 
     cache = tmp_path_factory.mktemp("smollm2-cache")
     logs: list[str] = []

@@ -22,8 +22,9 @@ from tiny import CHATML, make_tiny_llama
 from overbrainer.errors import BaseModelError
 from overbrainer.folder import cache_root
 from overbrainer.hashing import HashCache, hash_file
-from overbrainer.inputs import base_model as base
-from overbrainer.inputs.base_model import BaseSpec, materialize, parse_base, pin_base
+from overbrainer.inputs import base_cache as base
+from overbrainer.inputs.base_cache import materialize
+from overbrainer.inputs.base_model import BaseSpec, parse_base, pin_base
 
 ROOT = Path(__file__).resolve().parent.parent
 _WHEELHOUSE = os.environ.get("OVERBRAINER_WHEELHOUSE")  # read before the fixture hides it
@@ -329,7 +330,7 @@ def test_parse_missing_path_and_non_gguf_file(tmp_path):
 
 def test_import_is_light():
     code = (
-        "import sys; from pathlib import Path; from overbrainer import base\n"
+        "import sys; from pathlib import Path; from overbrainer.inputs import base_model as base\n"
         "base.parse_base('org/name', Path('.'))\n"
         "base.pin_base(base.parse_base('smollm2-135m-instruct', Path('.')), None)\n"
         "heavy = [m for m in ('torch', 'transformers', 'huggingface_hub') if m in sys.modules]\n"
@@ -645,7 +646,7 @@ def test_gguf_that_is_not_one(tmp_path):
 
 def test_two_processes_importing_at_once_share_one_import(tmp_path, tiny_gguf):
     code = (
-        "import sys; from pathlib import Path; from overbrainer.base import materialize, parse_base\n"
+        "import sys; from pathlib import Path; from overbrainer.inputs.base_cache import materialize; from overbrainer.inputs.base_model import parse_base\n"
         "print('PATH', materialize(parse_base(sys.argv[1], Path('.'))))\n"
     )
     env = {**os.environ, "OVERBRAINER_CACHE": str(tmp_path / "shared")}

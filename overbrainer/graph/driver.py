@@ -17,7 +17,7 @@ from ..errors import OverbrainerError, RunStateError
 from ..folder import RunFolder
 from ..fsio import Busy, exclusive
 from ..portable.common import now
-from ..remembered import Remembered, remember
+from ..remembered import remember
 from ..steps.context import Bake
 from .compile import compile_bake
 from .tasks import Outcome
@@ -52,8 +52,8 @@ def run_bake(bake: Bake, task: str = "train") -> Outcome:
 
     folder = bake.folder
     folder.root.mkdir(parents=True, exist_ok=True)
-    if bake.plan_bytes is not None and not isinstance(bake.plan, Remembered):
-        remember(bake.plan_path, bake.plan_bytes, bake.plan, folder.root)  # a folder new for this plan
+    if bake.plan_bytes is not None:  # a folder new for this plan: remembered from now on
+        remember(bake.plan_path, bake.plan_bytes, bake.plan, folder.root)
     done = Outcome()
     with _one_bake(folder):
         attempts = journal.read(folder).get("attempts", [])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -56,16 +55,18 @@ def die_with_parent() -> None:
 # -- files that readers never see torn -----------------------------------------------------
 
 
-def write_atomic(path: str | os.PathLike, data: bytes | str, fault: str | None = None) -> None:
+def write_atomic(path: str | os.PathLike, data: bytes | str, fault: str | None = None, durable: bool = True) -> None:
     """Write a file so that readers see the old content or the new, never a torn one: a
-    temp file beside it, fsynced, then renamed over it. `fault` names the fault point
-    between the two (``faults.py``)."""
+    temp file beside it, fsynced (unless not `durable`: a cache, which losing costs a
+    rehash), then renamed over it. `fault` names the fault point between the two
+    (``faults.py``)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
         f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     if fault:
         faults.point(fault)
     os.replace(tmp, path)
@@ -163,6 +164,8 @@ def run_commands(
     requires one. "python" is this interpreter. Each command dies with this process, and
     its output is appended to `log`. `poll` is called about 5 times a second while one
     runs. An OSError starting a program is raised as it is."""
+    import subprocess  # here, not at the top: the up-to-date check imports this module
+
     metrics = run_dir / metrics_file
     stages = stages or []
     for i, command in enumerate(commands):
@@ -189,7 +192,7 @@ def run_commands(
     return 0
 
 
-def _wait(proc: subprocess.Popen, poll: Callable[[], None] | None) -> int:
+def _wait(proc, poll: Callable[[], None] | None) -> int:
     if poll is None:
         return proc.wait()
     while True:

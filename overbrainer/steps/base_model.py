@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import BaseModelError
-from ..inputs.base_model import materialize
+from ..inputs.base_cache import materialize
 from . import Outputs
 from .resolve import base_pin
 

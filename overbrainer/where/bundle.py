@@ -39,6 +39,7 @@ from ..errors import OverbrainerError
 from ..folder import CONFIG, EXAMPLES, EXPORT, RunFolder
 from ..fsio import write_atomic
 from ..hashing import HashCache, hash_file
+from ..inputs.base_cache import SOURCE_FILE
 from ..portable import launcher, ship
 from ..portable import runner as jobfile
 from ..version import __version__
@@ -46,7 +47,6 @@ from ..version import __version__
 __all__ = ["Base", "Staged", "stage_job", "export_bundle", "write_job_tar", "requirements", "FINGERPRINT_ENV"]
 
 FINGERPRINT_ENV = "OVERBRAINER_FINGERPRINT"
-SOURCE_FILE = "overbrainer-source.json"  # base.py's record of where a cached base came from
 # what a job folder needs to run a trainer, by trainer: pip requirements
 # what a job elsewhere installs: pinned as the tools environment here is (Axolotl takes
 # torch 2.11–2.13; on a GPU machine pip picks its CUDA build)
