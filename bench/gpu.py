@@ -377,9 +377,9 @@ def main() -> int:
     if not args.no_pytest:
         proc = subprocess.run([PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_gpu.py"],
                               cwd=REPO, capture_output=True, text=True)
-        tail = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+        tail = (proc.stdout.strip().splitlines() or proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         print(f"# pytest -m gpu: exit {proc.returncode}: {tail}")
-        report["pytest"] = {"exit": proc.returncode, "tail": proc.stdout[-3000:]}
+        report["pytest"] = {"exit": proc.returncode, "tail": (proc.stdout + proc.stderr)[-3000:]}
     if os.environ.get("OUT"):
         path = Path(os.environ["OUT"]) / "gpu.json"
         path.write_text(json.dumps({"device": args.device, "peak_flops": peak, "rows": rows, **report}, indent=1))
