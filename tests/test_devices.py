@@ -101,6 +101,16 @@ def test_qlora_trains_merges_and_resumes_on_cpu(tmp_path):
     assert (again / final).read_bytes() == (done / final).read_bytes()
 
 
+def test_how_it_computes_is_not_what_it_trains(baked_copy):
+    """Gradient checkpointing or another device changes how the steps are computed, not
+    the run: a finished bake stays done (config.yaml is rewritten, nothing retrains)."""
+    project = baked_copy()
+    project.write(gradient_checkpointing=True, device="cpu", deterministic=True)
+    report = bake_json(str(project.plan_path))
+    assert "config" in report["ran"] and "train" not in report["ran"], report
+    assert "gradient_checkpointing: true" in (Path(report["folder"]) / "config.yaml").read_text()
+
+
 # -- what is checked without training ------------------------------------------------------
 
 

@@ -23,6 +23,13 @@ if TYPE_CHECKING:
 
 NAME = "train"
 VERSION = 1
+# config.yaml keys that say how the steps are computed, not what they compute: a run
+# resumes across a change of them (a checkpoint made on the GPU goes on on the CPU, an
+# out-of-memory run goes on with gradient checkpointing), and a finished one stays done.
+# The math is the same; the bits are the same only on the same device and build.
+HOW_IT_COMPUTES = ("device", "deterministic", "torch_compile", "gradient_checkpointing", "liger_rope",
+                   "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy")
+
 TARGETS = [f"{CHECKPOINTS}/", METRICS, LOG]
 
 
@@ -38,7 +45,7 @@ def inputs(bake: Bake) -> dict:
             cfg = yaml.safe_load(bake.folder.config.read_text())
         except (OSError, yaml.YAMLError):
             raise NotReady("config") from None
-    cfg = dict(cfg)
+    cfg = {k: v for k, v in cfg.items() if k not in HOW_IT_COMPUTES}
     # the run is what the config says, with the base model known by its content rather
     # than by where the cache put it: a cache moved elsewhere retrains nothing
     cfg["base_model"] = outputs_digest(base)

@@ -259,11 +259,11 @@ def out_of_memory(t: Training) -> GiveUp:
     peak = hw.peak_memory(t.device) / 2**30
     total = torch.cuda.get_device_properties(t.device).total_memory / 2**30 if t.device.type == "cuda" else 0
     kept = f"step-{t.saved_step:06d} is intact" if t.saved_step else "no checkpoint yet"
-    lower = "train.micro_batch_size (raise gradient_accumulation_steps to keep the examples a step) or train.sequence_len"
+    fix = "lower train.micro_batch_size (raising gradient_accumulation_steps) or train.sequence_len (a new run)"
     if not t.cfg.get("gradient_checkpointing"):
-        lower += ", or set train.gradient_checkpointing"
+        fix = "set train.gradient_checkpointing and bake again to resume, or " + fix
     return GiveUp(f"out of GPU memory at step {t.step + 1} of {t.cfg['max_steps']} (peak {peak:.1f} GiB of "
-                  f"{total:.1f} GiB on {t.device}; {kept}); lower {lower}, and bake again to resume", OOM_EXIT)
+                  f"{total:.1f} GiB on {t.device}; {kept}); {fix}", OOM_EXIT)
 
 
 # -- the loop ----------------------------------------------------------------------------
