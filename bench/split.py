@@ -19,6 +19,16 @@ assistant answer, an unknown role). The two sides treat invalid rows differently
   rows silently; it is timed on both files. It keeps the duplicates (datasets has no
   dedupe), normalizes nothing, and its split is a random permutation, not a content hash.
 
+Two more cases, on the same rows:
+
+- *mixed*: three sources with weights 2:1:1, an OpenAI ``messages`` JSONL (half the rows),
+  an Alpaca JSONL and a prompt/completion CSV (a quarter each, single exchanges): overbrainer's
+  ``split_sources`` against what a ``datasets`` user writes (``load_dataset`` json/csv, ``map``
+  to messages, ``filter``, ``interleave_datasets`` with probabilities 0.5/0.25/0.25 and
+  ``all_exhausted``, ``train_test_split``, ``to_parquet``);
+- *save_to_disk*: ``valid.jsonl`` saved once with ``datasets.save_to_disk`` (not timed), then
+  read by overbrainer's split against ``load_from_disk``, ``filter``, split, ``to_parquet``.
+
 Each run is its own process (``ru_maxrss`` from ``wait4`` is its peak RSS), with a fresh
 ``HF_DATASETS_CACHE`` so that the datasets path pays its JSON → Arrow conversion as a first
 run does. rows/s counts the input file's rows over the whole process's wall time (imports
@@ -101,6 +111,46 @@ def make_data(folder: Path, rows: int, seed: int = 0) -> tuple[Path, Path, dict]
     return valid, invalid, info
 
 
+def make_mixed(folder: Path, valid: Path) -> tuple[dict, int]:
+    """The mixed case's three files, from valid.jsonl's rows; and their total rows."""
+    import csv
+
+    meta = folder / "mixed.json"
+    paths = {"openai": folder / "mixed-openai.jsonl", "alpaca": folder / "mixed-alpaca.jsonl",
+             "csv": folder / "mixed-pc.csv"}
+    if meta.exists() and all(p.exists() for p in paths.values()):
+        return {k: str(v) for k, v in paths.items()}, json.loads(meta.read_text())["rows"]
+    lines = valid.read_text().splitlines()
+    half = len(lines) // 2
+    singles = [json.loads(line)["messages"] for line in lines[half:]]
+    singles = [m for m in singles if len(m) == 2 or (len(m) == 3 and m[0]["role"] == "system")]
+    quarter = len(singles) // 2
+    paths["openai"].write_text("\n".join(lines[:half]) + "\n")
+    with open(paths["alpaca"], "w") as f:
+        for m in singles[:quarter]:
+            row = {"instruction": m[-2]["content"], "input": "", "output": m[-1]["content"]}
+            if len(m) == 3:
+                row["system"] = m[0]["content"]
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    with open(paths["csv"], "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["prompt", "completion"])
+        for m in singles[quarter:]:
+            w.writerow([m[-2]["content"], m[-1]["content"]])
+    rows = half + len(singles)
+    meta.write_text(json.dumps({"rows": rows}))
+    return {k: str(v) for k, v in paths.items()}, rows
+
+
+def make_disk(folder: Path, valid: Path) -> Path:
+    disk = folder / "saved"
+    if not (disk / "state.json").exists():
+        from datasets import load_dataset
+
+        load_dataset("json", data_files=str(valid), split="train").save_to_disk(str(disk))
+    return disk
+
+
 # --- the workers (each in its own process) -----------------------------------------------
 
 
@@ -131,6 +181,74 @@ def worker_overbrainer(src: Path, out: Path) -> dict:
             "validation": summary.validation, "duplicates": summary.duplicates}
 
 
+def _overbrainer_sources(entries: list[dict], out: Path) -> dict:
+    from overbrainer.inputs.conversations import split_sources
+    from overbrainer.inputs.sources import resolve_sources
+
+    t = time.perf_counter()
+    summary = split_sources(resolve_sources(entries, Path("/"), "bench"), out, validation=0.1, seed=0)
+    return {"work_s": time.perf_counter() - t, "rows_out": summary.rows, "train": summary.train,
+            "validation": summary.validation, "duplicates": summary.duplicates}
+
+
+def worker_overbrainer_mixed(src: Path, out: Path) -> dict:
+    paths = json.loads(src.read_text())
+    weights = {"openai": 2, "alpaca": 1, "csv": 1}
+    return _overbrainer_sources([{"path": paths[k], "weight": w} for k, w in weights.items()], out)
+
+
+def worker_overbrainer_disk(src: Path, out: Path) -> dict:
+    return _overbrainer_sources([{"path": str(src)}], out)
+
+
+def _alpaca_messages(row: dict) -> dict:
+    messages = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+    user = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
+    return {"messages": [*messages, {"role": "user", "content": user}, {"role": "assistant", "content": row["output"]}]}
+
+
+def _pc_messages(row: dict) -> dict:
+    return {"messages": [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}]}
+
+
+def _finish(ds, out: Path, t: float) -> dict:
+    from datasets import concatenate_datasets
+
+    parts = ds.train_test_split(test_size=0.1, seed=0)
+    train = parts["train"].add_column("split", ["train"] * len(parts["train"]))
+    test = parts["test"].add_column("split", ["validation"] * len(parts["test"]))
+    concatenate_datasets([train, test]).to_parquet(str(out))
+    return {"work_s": time.perf_counter() - t, "rows_out": len(train) + len(test), "train": len(train),
+            "validation": len(test)}
+
+
+def worker_datasets_mixed(src: Path, out: Path) -> dict:
+    from datasets import interleave_datasets, load_dataset
+    from datasets.utils.logging import disable_progress_bar
+
+    disable_progress_bar()
+    paths = json.loads(src.read_text())
+    t = time.perf_counter()
+    a = load_dataset("json", data_files=paths["openai"], split="train").filter(is_valid)
+    b = load_dataset("json", data_files=paths["alpaca"], split="train")
+    b = b.map(_alpaca_messages, remove_columns=b.column_names).filter(is_valid)
+    c = load_dataset("csv", data_files=paths["csv"], split="train")
+    c = c.map(_pc_messages, remove_columns=c.column_names).filter(is_valid)
+    mixed = interleave_datasets([a, b, c], probabilities=[0.5, 0.25, 0.25], seed=0,
+                                stopping_strategy="all_exhausted")
+    return _finish(mixed, out, t)
+
+
+def worker_datasets_disk(src: Path, out: Path) -> dict:
+    from datasets import load_from_disk
+    from datasets.utils.logging import disable_progress_bar
+
+    disable_progress_bar()
+    t = time.perf_counter()
+    # no cache-*.arrow of an earlier run's filter: this run pays for its own
+    return _finish(load_from_disk(str(src)).filter(is_valid, load_from_cache_file=False), out, t)
+
+
 def worker_datasets(src: Path, out: Path) -> dict:
     from datasets import concatenate_datasets, load_dataset
     from datasets.utils.logging import disable_progress_bar
@@ -146,6 +264,13 @@ def worker_datasets(src: Path, out: Path) -> dict:
     concatenate_datasets([train, test]).to_parquet(str(out))
     return {"work_s": time.perf_counter() - t, "load_s": loaded, "rows_out": len(train) + len(test),
             "train": len(train), "validation": len(test)}
+
+
+WORKERS = {
+    "overbrainer": worker_overbrainer, "datasets": worker_datasets,
+    "overbrainer_mixed": worker_overbrainer_mixed, "datasets_mixed": worker_datasets_mixed,
+    "overbrainer_disk": worker_overbrainer_disk, "datasets_disk": worker_datasets_disk,
+}
 
 
 def run_worker(kind: str, src: Path, out: Path, scratch: Path) -> dict:
@@ -166,13 +291,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=500_000)
     ap.add_argument("--reps", type=int, default=1, help="runs of each (the best is reported)")
-    ap.add_argument("--worker", choices=["overbrainer", "datasets"], help=argparse.SUPPRESS)
+    ap.add_argument("--only", help="run only the cases whose label holds this text (e.g. mixed)")
+    ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--input", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        fn = worker_overbrainer if args.worker == "overbrainer" else worker_datasets
-        print(json.dumps(fn(args.input, args.out)))
+        print(json.dumps(WORKERS[args.worker](args.input, args.out)))
         return
 
     machine = print_machine()
@@ -183,14 +308,23 @@ def main() -> None:
     for f in (valid, invalid):  # page-cached for every contender alike
         f.read_bytes()
 
+    mixed, mixed_rows = make_mixed(folder, valid)
+    (folder / "mixed-paths.json").write_text(json.dumps(mixed))
+    disk = make_disk(folder, valid)
     cases = [
         ("overbrainer split_conversations", "overbrainer", valid, info["valid_rows"]),
         ("datasets load/filter/split/to_parquet", "datasets", valid, info["valid_rows"]),
         ("overbrainer rejects invalid file", "overbrainer", invalid, info["invalid_rows"]),
         ("datasets on invalid file (filters)", "datasets", invalid, info["invalid_rows"]),
+        ("overbrainer mixed: 3 sources, weights", "overbrainer_mixed", folder / "mixed-paths.json", mixed_rows),
+        ("datasets mixed: interleave_datasets", "datasets_mixed", folder / "mixed-paths.json", mixed_rows),
+        ("overbrainer save_to_disk folder", "overbrainer_disk", disk, info["valid_rows"]),
+        ("datasets load_from_disk", "datasets_disk", disk, info["valid_rows"]),
     ]
     rows, results = [], {"machine": machine, "data": info, "runs": {}}
     for label, kind, src, n in cases:
+        if args.only and args.only not in label and label not in {c[0] for c in cases[:2]}:
+            continue
         best = None
         for _ in range(args.reps):
             r = run_worker(kind, src, folder / f"out-{kind}.parquet", folder)
@@ -205,7 +339,7 @@ def main() -> None:
             "peak RSS MB": best["maxrss_mb"], "rows out": best.get("rows_out", "rejected"),
         })
     ob, hf = results["runs"][cases[0][0]], results["runs"][cases[1][0]]
-    rej = results["runs"][cases[2][0]]
+    rej = results["runs"].get(cases[2][0], {"wall_s": float("nan")})
     print()
     print(table(rows, ["case", "input rows", "wall s", "CPU s", "work s", "rows/s (wall)", "rows/s (work)", "peak RSS MB",
                        "rows out"]))
@@ -215,6 +349,13 @@ def main() -> None:
           f"(input {human_bytes(info['valid_bytes'])})")
     print(f"goal >= 5x faster: {'met' if speed >= 5 else 'MISSED'} ({hf['cpu_s'] / ob['cpu_s']:.1f}x in CPU time); "
           f"memory: compare peak RSS across --rows")
+    for a, b, what in ((cases[4][0], cases[5][0], "mixed (3 sources, weights)"),
+                       (cases[6][0], cases[7][0], "save_to_disk folder")):
+        if a not in results["runs"]:
+            continue
+        o, h = results["runs"][a], results["runs"][b]
+        print(f"{what}: overbrainer {h['wall_s'] / o['wall_s']:.1f}x faster than datasets (wall; "
+              f"{h['work_s'] / o['work_s']:.1f}x on the work, {h['cpu_s'] / o['cpu_s']:.1f}x in CPU time), peak RSS {o['maxrss_mb']:.0f} MB vs {h['maxrss_mb']:.0f} MB")
     print(f"invalid file: overbrainer rejected it in {rej['wall_s']:.2f} s ({rej.get('rejected', 'NOT rejected')})")
     print(f"# results: {save_json(f'split-{args.rows}', results)}")
 

@@ -94,7 +94,9 @@ class Model:
         if config.is_file():
             import yaml
 
-            for key, value in (yaml.safe_load(config.read_text()).get("special_tokens") or {}).items():
+            from .trainers.examples import tokenizer_settings
+
+            for key, value in tokenizer_settings(yaml.safe_load(config.read_text())).items():
                 setattr(tokenizer, key, value)
 
     def chat(self, messages: list[dict] | str, max_new_tokens: int = 128, temperature: float = 0.0) -> str:

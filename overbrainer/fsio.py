@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -96,6 +95,8 @@ def build_once(target: Path, done: str, build: Callable[[Path], None], waiting: 
     is removed first."""
     if (target / done).is_file():
         return target
+    import tempfile
+
     from filelock import FileLock, Timeout
 
     target.parent.mkdir(parents=True, exist_ok=True)

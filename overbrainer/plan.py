@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import PlanError
 from .folder import default_name
 
-__all__ = ["Plan", "SplitSettings", "TrainSettings", "Schedule", "BakeSettings", "load_plan"]
+__all__ = ["Plan", "DataSource", "SplitSettings", "TrainSettings", "Schedule", "BakeSettings", "load_plan"]
 
 # What `bake.formats` may name; overbrainer/formats/ writes them. The gguf-<type> formats are
 # the types the `gguf` package quantizes to in pure Python, so no llama.cpp build is needed at
@@ -33,6 +33,14 @@ BAKE_FORMATS = (
     "adapter",
 )
 TRAINERS = ("builtin", "axolotl")
+# what `data[].format` may name, and the keys `data[].fields` may rename (inputs/formats.py)
+DATA_FORMATS = ("auto", "openai", "sharegpt", "prompt_completion", "alpaca")
+DATA_FIELDS = (
+    "messages", "conversations", "prompt", "completion", "system", "instruction", "input", "output",
+    "role", "content", "from", "value",
+)
+# the chat templates `chat_template` may name (formats in steps/templates.py)
+TEMPLATE_FAMILIES = ("chatml", "llama3", "mistral", "gemma", "phi3")
 
 
 class _Settings(BaseModel):
@@ -187,6 +195,30 @@ class BakeSettings(_Settings):
         return formats
 
 
+class DataSource(_Settings):
+    """One source of conversations: a path (file, folder, glob) or a Hugging Face dataset id
+    ``org/name[@revision][:config]``, and how it is read and mixed. A bare string is its path."""
+
+    path: Annotated[str, Field(min_length=1)]
+    weight: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False,
+        description="This source's share of the training examples (weights of all sources are compared).",
+    )
+    format: Literal[DATA_FORMATS] = Field(default="auto", description="The rows' format; auto detects it.")
+    fields: dict[Literal[DATA_FIELDS], Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=dict, description='Column names the data uses: {"messages": "dialog", "role": "speaker"}.',
+    )
+    split: Annotated[str, Field(pattern=r"^[\w.-]+$")] = Field(
+        default="train", description="The split of a hub dataset or a save_to_disk DatasetDict."
+    )
+    rows: int | None = Field(default=None, gt=0, description="At most this many conversations of it (sampled).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_path(cls, value: Any) -> Any:
+        return {"path": value} if isinstance(value, str) else value
+
+
 class SSHTarget(_Settings):
     """Train on another machine over OpenSSH."""
 
@@ -201,7 +233,9 @@ class Plan(_Settings):
 
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")]
     base: Annotated[str, Field(min_length=1)]
-    data: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+    data: Annotated[list[DataSource], Field(min_length=1)] = Field(
+        description="A path, or a list of sources: paths or {path, weight, format, fields, split, rows}."
+    )
     split: SplitSettings = Field(default_factory=SplitSettings)
     train: TrainSettings = Field(default_factory=TrainSettings)
     bake: BakeSettings = Field(default_factory=BakeSettings)
@@ -211,10 +245,29 @@ class Plan(_Settings):
     where: Literal["here", "export"] | SSHTarget = Field(
         default="here", description='"here", "export" (a bundle to run anywhere), or {"ssh": "user@host"}.'
     )
+    chat_template: Annotated[str, Field(min_length=1)] | None = Field(
+        default=None,
+        description="The chat template to train with: a Jinja string, a .jinja file (relative to the plan), "
+        f"or one of {', '.join(TEMPLATE_FAMILIES)}; default: the base model's own.",
+    )
 
     @property
     def data_files(self) -> list[str]:
-        return [self.data] if isinstance(self.data, str) else list(self.data)
+        return [s.path for s in self.data]
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("data")
+    @classmethod
+    def _weights_all_or_none(cls, data: list[DataSource]) -> list[DataSource]:
+        weighted = [s.weight is not None for s in data]
+        if any(weighted) and not all(weighted):
+            missing = ", ".join(f"data[{i}]" for i, w in enumerate(weighted) if not w)
+            raise ValueError(f"{missing} has no weight while others have one; give every source a weight, or none")
+        return data
 
 
 # ---------------------------------------------------------------------------------------
@@ -328,11 +381,16 @@ def _is_union_tag(part: Any) -> bool:
 
 def _line_of(text: str, loc: list[str]) -> int | None:
     """The line of the deepest key of `loc` found in the plan text, searching in order."""
-    pos, found = 0, None
+    pos, found, skip = 0, None, 0
     for part in loc:
-        if part.isdigit():
+        if part.isdigit():  # the n-th item of a list of objects: the key's n-th occurrence on
+            skip = int(part)
             continue
-        match = re.compile(r'"' + re.escape(part) + r'"\s*:').search(text, pos)
+        key = re.compile(r'"' + re.escape(part) + r'"\s*:')
+        match = key.search(text, pos)
+        for _ in range(skip):
+            match = match and key.search(text, match.end())
+        skip = 0
         if not match:
             break
         pos, found = match.end(), match.start()

@@ -58,8 +58,8 @@ class Remembered:
 
     @property
     def data_files(self) -> list[str]:
-        data = self._data["data"]
-        return [data] if isinstance(data, str) else list(data)
+        data = self._data["data"]  # a list of {"path": ..., ...} (plan.DataSource)
+        return [e["path"] for e in data]
 
 
 def _key(path: Path, raw: bytes) -> str:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from overbrainer.errors import DataError
 from overbrainer.inputs import conversations as data
+from overbrainer.inputs import formats, readers
 from overbrainer.inputs.conversations import (
     MESSAGE_TYPE,
     SCHEMA,
@@ -144,7 +145,7 @@ ROW_ERRORS = [
     (
         "unknown_shape",
         '{"text": "hello", "id": 3}',
-        "the row has 'text', 'id', which is none of the accepted shapes; give each row 'messages'",
+        "the row has 'text', 'id', which is none of the accepted formats; give each row 'messages'",
     ),
     (
         "sharegpt_bad_role",
@@ -248,8 +249,8 @@ FILE_ERRORS = [
     ),
     (
         "unknown_extension",
-        lambda d: write_lines(d / "chats.csv", [GOOD]),
-        "unknown file type '.csv'; give conversations as JSON Lines (.jsonl, .json) or Parquet",
+        lambda d: write_lines(d / "chats.txt", [GOOD]),
+        "unknown file type '.txt'; give conversations as JSON Lines (.jsonl, .json), Parquet (.parquet), CSV",
     ),
     (
         "no_extension",
@@ -259,7 +260,7 @@ FILE_ERRORS = [
     (
         "parquet_wrong_schema",
         lambda d: make_parquet(d / "x.parquet", {"text": ["a", "b"], "label": [1, 2]}),
-        "the Parquet columns are 'text', 'label', and none is messages, conversations or prompt",
+        "the Parquet columns are 'text', 'label', and none is messages, conversations, prompt or instruction",
     ),
     (
         "parquet_corrupt",
@@ -295,7 +296,7 @@ def test_an_unreadable_file_is_reported(tmp_path, out, monkeypatch):
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(data, "open", refuse, raising=False)  # chmod 0 does not stop root
+    monkeypatch.setattr(readers, "open", refuse, raising=False)  # chmod 0 does not stop root
     with pytest.raises(DataError) as caught:
         split_conversations([source], out, 0.1, 0)
     assert str(caught.value) == (
@@ -440,7 +441,7 @@ def test_a_json_file_may_be_json_lines_or_one_array(tmp_path):
     with pytest.raises(DataError) as caught:
         list(read_conversations(array))
     assert caught.value.line == starts[2]
-    assert "none of the accepted shapes" in str(caught.value)
+    assert "none of the accepted formats" in str(caught.value)
 
     array.write_text(json.dumps([chat(1), chat(2)], indent=2))
     assert [n for n, _ in read_conversations(array)] == starts[:2]
@@ -484,6 +485,12 @@ def test_the_output_layout(tmp_path, out):
         train_tokens_estimate=sum(
             len(m["content"]) // 4 for i in (1, 2, 3) for m in chat(i)["messages"]
         ),
+        sources=[
+            {"source": "data/a.jsonl", "formats": {"openai": 3}, "read": 3, "train": 2, "validation": 0,
+             "tokens": sum(len(m["content"]) // 4 for i in (1, 2) for m in chat(i)["messages"])},
+            {"source": "data/b.jsonl", "formats": {"openai": 2}, "read": 2, "train": 1, "validation": 0,
+             "tokens": sum(len(m["content"]) // 4 for m in chat(3)["messages"])},
+        ],
     )
     assert summary.as_dict()["files"] == {"data/a.jsonl": 3, "data/b.jsonl": 2}
     assert json.loads(json.dumps(summary.as_dict()))["duplicates"] == 2
@@ -660,7 +667,7 @@ def test_property_rows_are_the_distinct_conversations(rows, validation, seed):
         assert summary.validation == validation
 
 
-@given(st.lists(st.tuples(st.sampled_from(data.ROLES), text), min_size=1, max_size=4))
+@given(st.lists(st.tuples(st.sampled_from(formats.ROLES), text), min_size=1, max_size=4))
 def test_property_the_id_is_blake3_of_the_canonical_json(turns):
     messages = [{"role": r, "content": c} for r, c in turns]
     assert conversation_id(messages) == reference_id(messages)

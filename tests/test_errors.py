@@ -49,6 +49,17 @@ def test_missing_data_file(project, tmp_path):
     assert no_stamps(tmp_path / "runs")
 
 
+def test_hub_data_offline_without_a_cached_copy_is_one_line(project, tmp_path):
+    project.plan["data"] = ["chats.jsonl", {"path": "tatsu-lab/alpaca", "weight": 1}]
+    project.plan["data"][0] = {"path": "chats.jsonl", "weight": 1}
+    project.write()
+    proc = cli("bake", str(project.plan_path), check=2)
+    (line,) = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert "data[1]: the dataset 'tatsu-lab/alpaca' is not in the Hugging Face cache" in line
+    assert "hf download tatsu-lab/alpaca --repo-type dataset" in line and "Traceback" not in proc.stderr
+    assert no_stamps(tmp_path / "runs")
+
+
 def test_missing_base(project):
     project.plan["base"] = "./nowhere"
     project.write()

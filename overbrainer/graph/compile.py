@@ -11,10 +11,10 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import OverbrainerError
 from ..folder import RunFolder, runs_root
 from ..hashing import HashCache
 from ..inputs.base_model import parse_base
+from ..inputs.sources import resolve_sources
 from ..remembered import load as load_plan
 from ..steps.context import Bake
 
@@ -29,18 +29,10 @@ def compile_bake(plan_path: str | os.PathLike, runs: str | os.PathLike | None = 
     root = Path(runs).absolute() if runs else runs_root()
     plan, raw = load_plan(plan_path, root)
     shown_plan = os.path.relpath(plan_path) if not str(plan_path).startswith("..") else str(plan_path)
-    data_paths = []
-    for i, rel in enumerate(plan.data_files):
-        path = (plan_path.parent / rel).expanduser().absolute()
-        field_name = "data" if isinstance(plan.data, str) else f"data[{i}]"
-        if not path.is_file():
-            what = "is a folder" if path.is_dir() else "no such file"
-            raise OverbrainerError(
-                f"{shown_plan}: {field_name}: {rel!r} {what} (paths are relative to the plan file); fix the path"
-            )
-        data_paths.append(path)
+    # files, folders and globs must exist, a hub dataset be in the cache (or reachable)
+    sources = resolve_sources(plan.model_dump(mode="json")["data"], plan_path.parent, shown_plan)
     base = parse_base(plan.base, plan_path.parent)
     folder = RunFolder(root / plan.name)
     options = {"say": say} if say is not None else {}
-    return Bake(plan=plan, plan_path=plan_path, folder=folder, base=base, data_paths=data_paths,
+    return Bake(plan=plan, plan_path=plan_path, folder=folder, base=base, sources=sources,
                 hashes=HashCache(folder.hash_cache), plan_bytes=raw, **options)

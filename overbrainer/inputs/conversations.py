@@ -1,29 +1,14 @@
-"""The split step's data: conversation files in, one validated ``examples.parquet`` out.
+"""The split step's data: sources of conversations in, one validated ``examples.parquet`` out.
 
-Input files (``plan.data``), one conversation per row:
-
-- JSON Lines, ``.jsonl`` or ``.json``: one JSON object per line, blank lines skipped. A
-  ``.json`` file whose first character is ``[`` is read as one JSON array of objects, each
-  reported at the line where it starts.
-- Parquet, ``.parquet``: one conversation per row, in a ``messages``, ``conversations``
-  or ``prompt``/``completion`` column.
-
-Each row has one of three shapes, all normalized to ``[{"role", "content"}, ...]``:
-
-- ``{"messages": [{"role": ..., "content": ...}, ...]}``, OpenAI's chat format; other keys
-  of a message (``name``, ...) are dropped;
-- ``{"conversations": [{"from": ..., "value": ...}, ...]}``, ShareGPT as Axolotl reads it;
-- ``{"prompt": ..., "completion": ..., "system": ...}`` (``system`` optional), which
-  becomes ``[system], user, assistant``.
-
-Roles are ``system``, ``user``, ``assistant`` and ``tool``; the ShareGPT names ``human``
-and ``gpt`` become ``user`` and ``assistant``. Every content is a non-blank string, and a
-conversation ends with an assistant turn. The first bad row of a file is reported as a
+The sources are the plan's ``data`` entries (:mod:`overbrainer.inputs.sources` finds them,
+:mod:`overbrainer.inputs.readers` reads their files, :mod:`overbrainer.inputs.formats` turns
+each row into ``[{"role", "content"}, ...]``, :mod:`overbrainer.inputs.mixing` picks what the
+examples hold). The first bad row of a file is reported as a
 :class:`~overbrainer.errors.DataError` with its ``file:line``, after the whole file has been
 read, so that the message can also say how many more bad rows it holds.
 
-Output, ``examples.parquet``: one row per distinct conversation, in order of first
-appearance across the files, written in row groups of :data:`BATCH_ROWS` rows:
+Output, ``examples.parquet``: one row per example, in order of the conversations' first
+appearance across the sources, written in row groups of :data:`BATCH_ROWS` rows:
 
 ========== ================== ====================================================
 column     type               what
@@ -32,12 +17,16 @@ id         string             the first 32 hex digits of the blake3 digest of th
                               conversation's canonical JSON (see :func:`conversation_id`)
 split      string             ``"train"`` or ``"validation"``
 messages   MESSAGE_TYPE       ``list<struct<role: string, content: string>>``
-source     string             ``"<file>:<line>"`` of the conversation's first occurrence
+source     string             ``"<file>:<line>"`` of the conversation's first occurrence;
+                              a hub file is ``hf://datasets/<org>/<name>@<commit>/<path>``
 ========== ================== ====================================================
 
-Exact duplicates (same id) are dropped. The split depends only on each conversation's
-content and the seed (:func:`split_score`), never on its position, so adding conversations
-to a file does not move the others between train and validation.
+Exact duplicates (same id) are dropped: a conversation belongs to the source it first
+appears in. The split depends only on each conversation's content and the seed
+(:func:`split_score`), never on its position, so adding conversations or sources does not
+move the others between train and validation. Without weights each conversation is one
+row; a weight that asks for more examples than a source has repeats its conversations,
+each copy a row (with the same id), adjacent.
 
 The file is written to a temporary file beside it and moved into place with
 ``os.replace``; a failed split leaves neither.
@@ -45,14 +34,11 @@ The file is written to a temporary file beside it and moved into place with
 
 from __future__ import annotations
 
-import heapq
-import json
 import os
-import re
 import secrets
 from array import array
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from json.encoder import encode_basestring as _encode
 from pathlib import Path
 
@@ -60,8 +46,12 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from overbrainer.errors import DataError
-from overbrainer.hashing import hash_bytes
+from ..errors import DataError
+from ..hashing import hash_bytes
+from .formats import ROLES, BadRow, Normalizer
+from .mixing import select
+from .readers import raw_rows
+from .sources import Source, SourceFile
 
 __all__ = [
     "MESSAGE_TYPE",
@@ -70,6 +60,7 @@ __all__ = [
     "conversation_id",
     "read_conversations",
     "split_conversations",
+    "split_sources",
     "split_score",
 ]
 
@@ -84,43 +75,29 @@ SCHEMA = pa.schema(
 )
 BATCH_ROWS = 4096
 
-ROLES = ("system", "user", "assistant", "tool")
-_ROLE_NAMES = {role: role for role in ROLES} | {"human": "user", "gpt": "assistant"}
 _OPEN = {role: f'{{"role":"{role}","content":' for role in ROLES}  # canonical JSON, up to content
-_JSON_SUFFIXES = (".jsonl", ".json")
-_PARQUET_SUFFIXES = (".parquet",)
-_PARQUET_COLUMNS = ("messages", "conversations", "prompt", "completion", "system")
-_SHAPES_FIX = (
-    'give each row \'messages\' (OpenAI chat: [{"role": ..., "content": ...}]), '
-    '\'conversations\' (ShareGPT: [{"from": ..., "value": ...}]) '
-    "or 'prompt' and 'completion'"
-)
-_ROLE_FIX = "use one of those (or the ShareGPT names human/gpt)"
-_WHITESPACE = re.compile(r"[ \t\r\n]*")
 _STAGE_SCHEMA = pa.schema([SCHEMA.field("id"), SCHEMA.field("messages"), SCHEMA.field("source")])
 
 
 @dataclass
 class SplitSummary:
-    """What a split wrote: row counts, and where the conversations came from."""
+    """What a split wrote: row counts, and where the conversations came from.
 
-    rows: int
+    ``sources`` has one item per source: ``{"source", "formats": {format: rows}, "read",
+    "train", "validation", "tokens"}``: rows read, train examples (copies counted) and
+    validation conversations it gave, and the estimated tokens of its train examples.
+    """
+
+    rows: int  # rows of examples.parquet (copies counted)
     train: int
     validation: int
     duplicates: int
     files: dict[str, int]  # display name -> conversations read from it, before dedup
     train_tokens_estimate: int  # sum of len(content) // 4 over the train rows' messages
+    sources: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-class _BadRow(Exception):
-    """One row is invalid: what is wrong with it, and the fix. Becomes a DataError."""
-
-    def __init__(self, what: str, fix: str):
-        super().__init__(what)
-        self.what, self.fix = what, fix
 
 
 # -- ids and scores ------------------------------------------------------------------
@@ -159,42 +136,56 @@ def split_score(seed: int, row_id: str) -> float:
 
 
 def read_conversations(
-    path: Path, *, display_name: str | None = None
+    path: Path,
+    *,
+    display_name: str | None = None,
+    normalizer: Normalizer | None = None,
 ) -> Iterator[tuple[int, list[dict]]]:
-    """Yield ``(line_number, messages)`` for each conversation in a JSONL or Parquet file.
+    """Yield ``(line_number, messages)`` for each conversation in one data file.
 
-    ``line_number`` is 1-based (for Parquet, the 1-based row number); ``messages`` is the
-    normalized ``[{"role": str, "content": str}, ...]``. On the first invalid row the file
-    is read to its end without yielding more, and a :class:`DataError` for that row is
-    raised, ending with " (and N more bad rows in this file)" when there are others. A
-    missing, unreadable or empty file, or one of an unknown type, raises DataError too.
-    ``display_name`` is how the file is named in errors (default ``str(path)``).
+    ``line_number`` is 1-based (for Parquet and Arrow, the 1-based row number; for CSV, the
+    record number counting the header); ``messages`` is the normalized ``[{"role": str,
+    "content": str}, ...]``, read by ``normalizer`` (default: format auto, no renames). On
+    the first invalid row the file is read to its end without yielding more, and a
+    :class:`DataError` for that row is raised, ending with " (and N more bad rows in this
+    file)" when there are others. A missing, unreadable or empty file, or one of an unknown
+    type, raises DataError too. ``display_name`` is how the file is named in errors
+    (default ``str(path)``).
     """
     path = Path(path)
     name = str(path) if display_name is None else display_name
-    first: tuple[int, _BadRow] | None = None
-    more = 0
+    normalize = normalizer or Normalizer()
+    first: tuple[int, BadRow] | None = None
+    bad = 0
     count = 0
-    for number, row in _raw_rows(path, name):
+    for number, row in raw_rows(path, name, normalize.data_names()):
         try:
-            if isinstance(row, _BadRow):
+            if isinstance(row, BadRow):
                 raise row
-            messages = _normalize(row)
-        except _BadRow as bad:
-            if first is None:
-                first = (number, bad)
-            else:
-                more += 1
+            messages = normalize(row)
+        except BadRow as error:
+            bad += 1
+            if first is None or number < first[0]:  # a CSV reports its ragged records last
+                first = (number, error)
             continue
         if first is None:
             count += 1
             yield number, messages
+    unseen = normalize.unseen()
+    if unseen and (first is not None or count):
+        # a name the data does not have: every row would be "bad", the name is the mistake
+        canon, data_name = unseen[0]
+        raise DataError(
+            name, None, f"fields.{canon} names {data_name!r}, which is in none of its rows",
+            "fix the name in the data entry's fields (it is the data's name for that key)",
+        )
     if first is not None:
-        number, bad = first
-        fix = bad.fix
+        number, error = first
+        fix = error.fix
+        more = bad - 1
         if more:
             fix += f" (and {more} more bad {'row' if more == 1 else 'rows'} in this file)"
-        raise DataError(name, number, bad.what, fix)
+        raise DataError(name, number, error.what, fix)
     if count == 0:
         raise DataError(
             name,
@@ -202,320 +193,6 @@ def read_conversations(
             "the file has no conversations",
             "add conversations to it, or remove it from the plan's data",
         )
-
-
-def _raw_rows(path: Path, name: str) -> Iterator[tuple[int, object]]:
-    """``(line, row)`` for each non-blank row; a row that cannot be parsed is a _BadRow."""
-    suffix = path.suffix.lower()
-    if suffix in _JSON_SUFFIXES:
-        yield from _json_rows(path, name)
-    elif suffix in _PARQUET_SUFFIXES:
-        yield from _parquet_rows(path, name)
-    else:
-        what = f"unknown file type {suffix!r}" if suffix else "the file name has no extension"
-        raise DataError(
-            name,
-            None,
-            what,
-            "give conversations as JSON Lines (.jsonl, .json) or Parquet (.parquet)",
-        )
-
-
-def _open_error(name: str, error: OSError) -> DataError:
-    if isinstance(error, FileNotFoundError):
-        return DataError(
-            name,
-            None,
-            "no such file",
-            "check the path in the plan's data (relative to the plan file)",
-        )
-    if isinstance(error, IsADirectoryError):
-        return DataError(
-            name, None, "is a folder, not a file", "name the conversation files themselves"
-        )
-    reason = error.strerror or str(error)
-    return DataError(
-        name, None, f"cannot read the file ({reason})", "check that it exists and is readable"
-    )
-
-
-def _json_rows(path: Path, name: str) -> Iterator[tuple[int, object]]:
-    try:
-        f = open(path, "rb")  # bytes: each line is decoded strictly, on its own
-    except OSError as error:
-        raise _open_error(name, error) from None
-    with f:
-        try:
-            head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()
-            if path.suffix.lower() == ".json" and head.startswith(b"["):
-                f.seek(0)
-                yield from _json_array_rows(f.read(), name)
-                return
-            f.seek(0)
-            for number, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                try:
-                    # orjson parses what json.loads parses, to the same values, faster; what
-                    # it refuses (bad UTF-8, bad JSON, NaN, huge integers, lone surrogates)
-                    # goes the way below, which parses it or says what is wrong as json does
-                    yield number, orjson.loads(raw.removeprefix(b"\xef\xbb\xbf") if number == 1 else raw)
-                    continue
-                except orjson.JSONDecodeError:
-                    pass
-                try:
-                    text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-                except UnicodeDecodeError as error:
-                    yield (
-                        number,
-                        _BadRow(
-                            f"the line is not valid UTF-8 (bad byte at position {error.start + 1})",
-                            "save the file as UTF-8",
-                        ),
-                    )
-                    continue
-                try:
-                    yield number, json.loads(text)
-                except json.JSONDecodeError as error:
-                    yield (
-                        number,
-                        _BadRow(
-                            f"invalid JSON: {error.msg} (column {error.colno})",
-                            "write one JSON object per line (JSON Lines)",
-                        ),
-                    )
-        except OSError as error:
-            raise _open_error(name, error) from None
-
-
-def _json_array_rows(data: bytes, name: str) -> Iterator[tuple[int, object]]:
-    """The elements of a file that is one JSON array, each with the line it starts on."""
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        line = data.count(b"\n", 0, error.start) + 1
-        raise DataError(
-            name, line, "the file is not valid UTF-8", "save the file as UTF-8"
-        ) from None
-    fix = "write the file as JSON Lines, one object per line, or as one valid JSON array"
-    decoder = json.JSONDecoder()
-    line, counted = 1, 0  # the line number of position `counted`
-
-    def line_at(pos: int) -> int:
-        nonlocal line, counted
-        line += text.count("\n", counted, pos)
-        counted = pos
-        return line
-
-    pos = _WHITESPACE.match(text, text.index("[") + 1).end()
-    if text.startswith("]", pos):
-        pos += 1
-    else:
-        while True:
-            try:
-                row, end = decoder.raw_decode(text, pos)
-            except json.JSONDecodeError as error:
-                raise DataError(
-                    name, error.lineno, f"invalid JSON: {error.msg} (column {error.colno})", fix
-                ) from None
-            yield line_at(pos), row
-            pos = _WHITESPACE.match(text, end).end()
-            if text.startswith(",", pos):
-                pos = _WHITESPACE.match(text, pos + 1).end()
-            elif text.startswith("]", pos):
-                pos += 1
-                break
-            else:
-                raise DataError(
-                    name,
-                    line_at(pos),
-                    "invalid JSON: expected ',' or ']' after an array element",
-                    fix,
-                )
-    pos = _WHITESPACE.match(text, pos).end()
-    if pos < len(text):
-        raise DataError(name, line_at(pos), "invalid JSON: extra data after the array", fix)
-
-
-def _parquet_rows(path: Path, name: str) -> Iterator[tuple[int, object]]:
-    try:
-        parquet = pq.ParquetFile(path, pre_buffer=False)
-    except OSError as error:
-        if isinstance(error, (FileNotFoundError, IsADirectoryError, PermissionError)):
-            raise _open_error(name, error) from None
-        raise DataError(
-            name,
-            None,
-            f"not a readable Parquet file ({error})",
-            "write it with pyarrow or pandas .to_parquet()",
-        ) from None
-    except pa.ArrowException as error:
-        raise DataError(
-            name,
-            None,
-            f"not a readable Parquet file ({error})",
-            "write it with pyarrow or pandas .to_parquet()",
-        ) from None
-    columns = parquet.schema_arrow.names
-    if not any(c in columns for c in ("messages", "conversations", "prompt")):
-        raise DataError(
-            name,
-            None,
-            f"the Parquet columns are {_names(columns)}, and none is messages, conversations or prompt",
-            "store conversations in a 'messages' (list of role/content), 'conversations' "
-            "(ShareGPT) or 'prompt' and 'completion' column",
-        )
-    number = 0
-    try:
-        for batch in parquet.iter_batches(
-            batch_size=BATCH_ROWS,
-            columns=[c for c in _PARQUET_COLUMNS if c in columns],
-            use_threads=False,  # no read-ahead: see _add_split
-        ):
-            for row in batch.to_pylist():
-                number += 1
-                # a null cell is an absent key: a file may hold several shapes' columns
-                yield number, {k: v for k, v in row.items() if v is not None}
-    except (OSError, pa.ArrowException) as error:
-        raise DataError(
-            name, number + 1, f"cannot read this row group ({error})", "rewrite the Parquet file"
-        ) from None
-
-
-def _names(keys: object) -> str:
-    keys = [str(k) for k in keys]
-    if not keys:
-        return "no keys"
-    shown = ", ".join(repr(k) for k in keys[:8])
-    return shown + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
-
-
-def _kind(value: object) -> str:
-    """A JSON value's type in JSON's words."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, (list, tuple)):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
-
-
-def _normalize(row: object) -> list[dict]:
-    """One row of any accepted shape as ``[{"role", "content"}, ...]``, or _BadRow."""
-    if not isinstance(row, dict):
-        raise _BadRow(
-            f"the row is a JSON {_kind(row)}, not an object",
-            'write each conversation as an object such as {"messages": [...]}',
-        )
-    if "messages" in row:
-        messages = _turns(row["messages"], "messages", ("role", "content"), ("from", "value"))
-    elif "conversations" in row:
-        messages = _turns(
-            row["conversations"], "conversations", ("from", "value"), ("role", "content")
-        )
-    elif "prompt" in row or "completion" in row:
-        messages = _prompt_completion(row)
-    else:
-        raise _BadRow(
-            f"the row has {_names(row)}, which is none of the accepted shapes", _SHAPES_FIX
-        )
-
-    last = messages[-1]["role"]
-    if last != "assistant":
-        if not any(m["role"] == "assistant" for m in messages):
-            raise _BadRow(
-                "the conversation has no assistant turn",
-                "add the assistant reply the model should learn",
-            )
-        raise _BadRow(
-            f"the conversation ends with a {last!r} turn, not an assistant turn",
-            "end each conversation with an assistant reply, or drop the turns after it",
-        )
-    return messages
-
-
-def _turns(items: object, key: str, keys: tuple[str, str], other: tuple[str, str]) -> list[dict]:
-    """A messages/conversations list, normalized. ``keys`` are the shape's own role and
-    content keys; ``other`` the other shape's, accepted too (datasets mix them)."""
-    if not isinstance(items, (list, tuple)):
-        raise _BadRow(
-            f"{key!r} is a {_kind(items)}, not a list of messages",
-            f'give {key!r} as a list such as [{{"{keys[0]}": "user", "{keys[1]}": "..."}}, ...]',
-        )
-    if not items:
-        raise _BadRow(
-            "the conversation has no messages", "give at least a user and an assistant turn"
-        )
-    role_key, content_key = keys
-    messages = []
-    for index, item in enumerate(items, 1):
-        # the common case, without a function call: this loop runs for every message
-        try:
-            role = _ROLE_NAMES[item[role_key]]
-            content = item[content_key]
-            if content.__class__ is str and content and not content.isspace():
-                messages.append({"role": role, "content": content})
-                continue
-        except (KeyError, TypeError, IndexError):
-            pass
-        messages.append(_message(item, index, keys, other))
-    return messages
-
-
-def _message(item: object, index: int, keys: tuple[str, str], other: tuple[str, str]) -> dict:
-    """One message the fast path did not take: the other shape's keys, or a _BadRow."""
-    if not isinstance(item, dict):
-        raise _BadRow(
-            f"message {index} is a {_kind(item)}, not an object",
-            f'write each message as {{"{keys[0]}": ..., "{keys[1]}": ...}}',
-        )
-    role_key, content_key = keys if keys[0] in item or other[0] not in item else other
-    role = item.get(role_key)
-    if role is None:
-        raise _BadRow(
-            f"message {index} has no {role_key!r}",
-            f"give each message a {role_key!r}: one of system, user, assistant, tool",
-        )
-    normal = _ROLE_NAMES.get(role) if isinstance(role, str) else None
-    if normal is None:
-        raise _BadRow(f"role {role!r} is not one of system, user, assistant, tool", _ROLE_FIX)
-    return {"role": normal, "content": _content(item, content_key, f"message {index}")}
-
-
-def _content(item: dict, key: str, where: str) -> str:
-    if key not in item:
-        raise _BadRow(f"{where} has no {key!r}", f"give each message its text as {key!r}")
-    content = item[key]
-    if not isinstance(content, str):
-        raise _BadRow(
-            f"{where}'s {key!r} is a {_kind(content)}, not a string",
-            f"give {key!r} as text (lists of content parts are not supported)",
-        )
-    if not content or content.isspace():
-        raise _BadRow(f"{where}'s {key!r} is empty", "give it text, or drop the message")
-    return content
-
-
-def _prompt_completion(row: dict) -> list[dict]:
-    for key in ("prompt", "completion"):
-        if key not in row:
-            other = "completion" if key == "prompt" else "prompt"
-            raise _BadRow(
-                f"the row has {other!r} but no {key!r}", "give both 'prompt' and 'completion'"
-            )
-    messages = []
-    if row.get("system") is not None:
-        messages.append({"role": "system", "content": _content(row, "system", "the row")})
-    messages.append({"role": "user", "content": _content(row, "prompt", "the row")})
-    messages.append({"role": "assistant", "content": _content(row, "completion", "the row")})
-    return messages
 
 
 # -- splitting -----------------------------------------------------------------------
@@ -529,7 +206,23 @@ def split_conversations(
     display_names: dict[Path, str] | None = None,
     source_names: dict[Path, str] | None = None,
 ) -> SplitSummary:
-    """Validate ``files``, drop exact duplicates, split, and write ``out`` (Parquet).
+    """:func:`split_sources` with each file a source of its own, read as it is.
+
+    ``display_names`` maps a path to how errors name it (default ``str(path)``);
+    ``source_names`` to how the ``source`` column names it (default: as errors do).
+    """
+    display_names = display_names or {}
+    source_names = source_names or {}
+    sources = []
+    for f in files:
+        shown = display_names.get(f) or display_names.get(Path(f)) or str(f)
+        name = source_names.get(f) or source_names.get(Path(f)) or shown
+        sources.append(Source(name, name, "file", [SourceFile(Path(f), shown, name)]))
+    return split_sources(sources, out, validation, seed)
+
+
+def split_sources(sources: list[Source], out: Path, validation: float | int, seed: int) -> SplitSummary:
+    """Validate ``sources``, drop exact duplicates, cap, split, mix, and write ``out``.
 
     ``validation`` is either a fraction in [0, 1), a conversation is then in validation
     when its :func:`split_score` is below it, or a count ``k >= 0``: the ``k``
@@ -537,48 +230,45 @@ def split_conversations(
     on its content and ``seed``. With a fraction, adding conversations never moves old
     ones between train and validation. With a count, adding conversations can only move
     old ones from validation to train (a new one may take their place), never the other
-    way. ``0`` (or ``0.0``) means no validation rows.
+    way. ``0`` (or ``0.0``) means no validation rows. Caps (``rows``) and weights are
+    applied as :mod:`overbrainer.inputs.mixing` says.
 
     One pass reads every file, validating it and writing the distinct conversations in
-    record batches; only ids, scores and counts stay in memory. With a count the split is
-    known only at the end, so that pass writes a staging file without the split column,
-    which a second pass copies, adding it. Everything is written to temporary files beside
-    ``out``, moved into place with ``os.replace``. On any error neither ``out`` (not even
-    an older one) nor a temporary file is left.
-
-    ``source_names`` maps a path to how the ``source`` column names it (default: as errors
-    do); a name that does not depend on where the command runs keeps the file the same
-    from wherever it is made.
-    ``display_names`` maps a path to how errors and ``source`` name it (default
-    ``str(path)``). Raises :class:`DataError` for a bad file or row, and for a
+    record batches; only ids, scores and counts stay in memory. With a count, caps or
+    weights, what each row becomes is known only at the end, so that pass writes a staging
+    file without the split column, which a second pass copies, adding it (and the copies).
+    Everything is written to temporary files beside ``out``, moved into place with
+    ``os.replace``. On any error neither ``out`` (not even an older one) nor a temporary
+    file is left. Raises :class:`DataError` for a bad file or row, and for a
     ``split.validation`` that leaves no conversation to train on.
     """
     out = Path(out)
-    display_names = display_names or {}
-    names = [display_names.get(f) or display_names.get(Path(f)) or str(f) for f in files]
-    where = ", ".join(names) if names else str(out)
-    source_names = source_names or {}
-    sources = [source_names.get(f) or source_names.get(Path(f)) or name for f, name in zip(files, names, strict=True)]
+    where = ", ".join(s.entry for s in sources) if sources else str(out)
     count = _check_validation(validation, where)
-    if not files:
+    if not sources:
         raise DataError(
             where,
             None,
             "no conversation files to split",
             "list at least one file in the plan's data",
         )
+    weighted = [s.weight for s in sources]
+    weights = weighted if any(w is not None for w in weighted) else None
+    if weights is not None and None in weights:
+        raise DataError(where, None, "some sources have a weight and some do not",
+                        "give every data entry a weight, or none")
+    caps = [s.rows for s in sources]
+    direct = not count and weights is None and all(c is None for c in caps)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     token = f"{os.getpid()}.{secrets.token_hex(4)}"
     tmp = out.with_name(f".{out.name}.{token}.tmp")
     stage = out.with_name(f".{out.name}.{token}.stage.tmp")
     try:
-        if not count:  # a fraction (or no validation at all): each row's split is known at once
-            summary = _write_rows(files, names, sources, tmp, SCHEMA, seed, fraction=float(validation))
+        if direct:  # a fraction, nothing capped or weighted: each row's split is known at once
+            summary = _write_rows(sources, tmp, SCHEMA, seed, fraction=float(validation))
         else:
-            summary, scores, tokens = _write_rows(
-                files, names, sources, stage, _STAGE_SCHEMA, seed, fraction=None
-            )
+            summary, kept = _write_rows(sources, stage, _STAGE_SCHEMA, seed, fraction=None)
             if count and count >= summary.rows:
                 raise DataError(
                     where,
@@ -589,7 +279,13 @@ def split_conversations(
                     f"set split.validation to at most {summary.rows - 1}, or to a fraction such "
                     "as 0.1, or add conversations",
                 )
-            _add_split(stage, tmp, _smallest(scores, count), tokens, summary)
+            copies, in_validation = select(
+                kept.source, kept.scores, kept.mix, len(sources),
+                fraction=None if count else float(validation), count=count,
+                caps=caps, weights=weights,
+            )
+            _check_shares(sources, kept, copies, in_validation, weights)
+            _add_split(stage, tmp, copies, in_validation, kept, summary)
             stage.unlink()
         if summary.train == 0:
             raise DataError(
@@ -634,35 +330,41 @@ def _check_validation(validation: float | int, where: str) -> int | None:
     return None
 
 
+@dataclass
+class _Kept:
+    """Per distinct conversation, in order: its source, scores and token estimate."""
+
+    source: array = field(default_factory=lambda: array("H"))
+    scores: array = field(default_factory=lambda: array("Q"))
+    mix: array = field(default_factory=lambda: array("Q"))
+    tokens: array = field(default_factory=lambda: array("q"))
+
+
 def _write_rows(
-    files: list[Path],
-    names: list[str],
-    source_names: list[str],
-    target: Path,
-    schema: pa.Schema,
-    seed: int,
-    fraction: float | None,
-) -> SplitSummary | tuple[SplitSummary, array, array]:
+    sources: list[Source], target: Path, schema: pa.Schema, seed: int, fraction: float | None
+) -> SplitSummary | tuple[SplitSummary, _Kept]:
     """The pass over the input: validate, dedupe, score, and write ``target`` in batches.
 
     With a fraction the rows carry their split and a SplitSummary is returned. Without
-    (``fraction=None``, a count) the split column is left out, and each row's score and
+    (``fraction=None``) the split column is left out, and each row's source, scores and
     token estimate are returned too, in row order, for :func:`_add_split`.
     """
     seen: set[str] = set()
-    scores = array("Q")
-    tokens = array("q")
+    kept = _Kept()
     files_read: dict[str, int] = {}
+    per_source: list[dict] = []
     duplicates = train = validation = train_tokens = 0
     ids: list[str] = []
     splits: list[str] = []
     offsets: list[int] = [0]
     roles: list[str] = []
     contents: list[str] = []
-    sources: list[str] = []
+    names: list[str] = []
     limit = fraction * 2**64 if fraction is not None else 0.0
 
-    with pq.ParquetWriter(target, schema) as writer:
+    # a staging file is read back once, at once: written without compression or dictionaries
+    options = {} if fraction is not None else {"compression": "none", "use_dictionary": False}
+    with pq.ParquetWriter(target, schema, **options) as writer:
 
         def flush() -> None:
             arrays = [pa.array(ids, pa.string())]
@@ -675,51 +377,66 @@ def _write_rows(
             arrays.append(
                 pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values, type=MESSAGE_TYPE)
             )
-            arrays.append(pa.array(sources, pa.string()))
+            arrays.append(pa.array(names, pa.string()))
             writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=schema))
-            for column in (ids, splits, roles, contents, sources):
+            for column in (ids, splits, roles, contents, names):
                 column.clear()
             del offsets[1:]
 
-        for path, name, source in zip(files, names, source_names, strict=True):
-            read = 0
-            for number, messages in read_conversations(Path(path), display_name=name):
-                read += 1
-                try:
-                    row_id = conversation_id(messages)
-                except UnicodeEncodeError:
-                    raise DataError(
-                        name, number,
-                        "the text holds a lone UTF-16 surrogate (an escape such as \\ud800 without its pair), "
-                        "which is not Unicode text",
-                        "remove it, or write the character it was meant to be",
-                    ) from None
-                if row_id in seen:
-                    duplicates += 1
-                    continue
-                seen.add(row_id)
-                score = _score_int(seed, row_id)
-                estimate = 0
-                for m in messages:
-                    roles.append(m["role"])
-                    contents.append(m["content"])
-                    estimate += len(m["content"]) // 4
-                offsets.append(len(roles))
-                ids.append(row_id)
-                sources.append(f"{source}:{number}")
-                if fraction is None:
-                    scores.append(score)
-                    tokens.append(estimate)
-                elif score < limit:  # score / 2**64 < fraction, exactly
-                    splits.append("validation")
-                    validation += 1
-                else:
-                    splits.append("train")
-                    train += 1
-                    train_tokens += estimate
-                if len(ids) == BATCH_ROWS:
-                    flush()
-            files_read[name] = files_read.get(name, 0) + read
+        for k, source in enumerate(sources):
+            normalizer = Normalizer(source.format, source.fields)
+            stats = {"source": source.entry, "formats": {}, "read": 0,
+                     "train": 0, "validation": 0, "tokens": 0}
+            per_source.append(stats)
+            before = (train, validation, train_tokens)
+            for file in source.files:
+                read = 0
+                for number, messages in read_conversations(
+                    file.path, display_name=file.shown, normalizer=normalizer
+                ):
+                    read += 1
+                    try:
+                        row_id = conversation_id(messages)
+                    except UnicodeEncodeError:
+                        raise DataError(
+                            file.shown, number,
+                            "the text holds a lone UTF-16 surrogate (an escape such as \\ud800 without its pair), "
+                            "which is not Unicode text",
+                            "remove it, or write the character it was meant to be",
+                        ) from None
+                    if row_id in seen:
+                        duplicates += 1
+                        continue
+                    seen.add(row_id)
+                    scored = hash_bytes(f"{seed}:{row_id}".encode())
+                    score = int(scored[:16], 16)  # as split_score
+                    estimate = 0
+                    for m in messages:
+                        roles.append(m["role"])
+                        contents.append(m["content"])
+                        estimate += len(m["content"]) // 4
+                    offsets.append(len(roles))
+                    ids.append(row_id)
+                    names.append(f"{file.name}:{number}")
+                    if fraction is None:
+                        kept.source.append(k)
+                        kept.scores.append(score)
+                        kept.mix.append(int(scored[16:32], 16))  # the mix score (mixing.py)
+                        kept.tokens.append(estimate)
+                    elif score < limit:  # score / 2**64 < fraction, exactly
+                        splits.append("validation")
+                        validation += 1
+                    else:
+                        splits.append("train")
+                        train += 1
+                        train_tokens += estimate
+                    if len(ids) == BATCH_ROWS:
+                        flush()
+                files_read[file.shown] = files_read.get(file.shown, 0) + read
+                stats["read"] += read
+            stats["formats"] = normalizer.seen
+            stats["train"], stats["validation"], stats["tokens"] = (
+                train - before[0], validation - before[1], train_tokens - before[2])
         if ids:
             flush()
 
@@ -730,55 +447,74 @@ def _write_rows(
         duplicates=duplicates,
         files=files_read,
         train_tokens_estimate=train_tokens,
+        sources=per_source,
     )
     if fraction is not None:
         return summary
-    return summary, scores, tokens
+    return summary, kept
 
 
-def _smallest(scores: array, count: int) -> bytearray:
-    """A mask of the ``count`` rows with the smallest scores (a tie at the boundary, which
-    needs two equal 64-bit scores, goes to the earlier row)."""
-    mask = bytearray(len(scores))
-    if not count:
-        return mask
-    threshold = (
-        heapq.nsmallest(count, scores)[-1]
-        if count < len(scores) // 8
-        else sorted(scores)[count - 1]
-    )
-    below = sum(1 for s in scores if s < threshold)
-    ties = count - below  # rows at the threshold that still fit
-    for position, s in enumerate(scores):
-        if s < threshold:
-            mask[position] = 1
-        elif s == threshold and ties:
-            mask[position] = 1
-            ties -= 1
-    return mask
+def _check_shares(sources: list[Source], kept: _Kept, copies: array, in_validation: bytearray,
+                  weights: list[float] | None) -> None:
+    """A weighted source must have a conversation to train on."""
+    if weights is None:
+        return
+    train = [0] * len(sources)
+    for k, n, v in zip(kept.source, copies, in_validation):
+        if n and not v:
+            train[k] += n
+    for k, source in enumerate(sources):
+        if train[k] == 0:
+            raise DataError(
+                source.entry, None,
+                f"weight {source.weight:g} gives this source no training example (its conversations "
+                "are in validation, or its share rounds to none)",
+                "raise its weight, give it more conversations, or lower split.validation",
+            )
 
 
 def _add_split(
-    stage: Path, target: Path, mask: bytearray, tokens: array, summary: SplitSummary
+    stage: Path, target: Path, copies: array, in_validation: bytearray, kept: _Kept,
+    summary: SplitSummary,
 ) -> None:
-    """Copy the staging file to ``target`` in batches, adding the split column from
-    ``mask``, and fill in the summary's train/validation counts."""
+    """Copy the staging file to ``target`` in batches, each row ``copies`` times (a row no
+    source keeps is left out), adding the split column, and fill in the summary's counts."""
     position = 0
+    summary.rows = summary.train = summary.validation = summary.train_tokens_estimate = 0
+    for stats in summary.sources:
+        stats.update(train=0, validation=0, tokens=0)
     with pq.ParquetWriter(target, SCHEMA) as writer:
         # no pre-buffering, no threads: both read ahead, holding many row groups in memory
         batches = pq.ParquetFile(stage, pre_buffer=False).iter_batches(
             batch_size=BATCH_ROWS, use_threads=False
         )
         for batch in batches:
-            chunk = mask[position : position + batch.num_rows]
-            split = pa.array(["validation" if v else "train" for v in chunk], pa.string())
+            take: list[int] = []
+            split: list[str] = []
+            for i in range(batch.num_rows):
+                p = position + i
+                n, valid = copies[p], in_validation[p]
+                if not n:
+                    continue
+                stats = summary.sources[kept.source[p]]
+                take.extend([i] * n)
+                split.extend(["validation" if valid else "train"] * n)
+                if valid:
+                    stats["validation"] += n
+                else:
+                    stats["train"] += n
+                    stats["tokens"] += n * kept.tokens[p]
+            position += batch.num_rows
+            if not take:
+                continue
+            rows = batch.take(pa.array(take, pa.int32()))
             writer.write_batch(
                 pa.RecordBatch.from_arrays(
-                    [batch.column("id"), split, batch.column("messages"), batch.column("source")],
+                    [rows.column("id"), pa.array(split, pa.string()), rows.column("messages"), rows.column("source")],
                     schema=SCHEMA,
                 )
             )
-            position += batch.num_rows
-    summary.validation = sum(mask)
-    summary.train = summary.rows - summary.validation
-    summary.train_tokens_estimate = sum(t for t, v in zip(tokens, mask, strict=True) if not v)
+    summary.train = sum(s["train"] for s in summary.sources)
+    summary.validation = sum(s["validation"] for s in summary.sources)
+    summary.rows = summary.train + summary.validation
+    summary.train_tokens_estimate = sum(s["tokens"] for s in summary.sources)

@@ -2,6 +2,12 @@
 
 Both trainers read this file; nothing the built-in trainer needs lives only in memory.
 Paths in it are relative to the run folder (the trainer runs there), except ``base_model``.
+
+Before anything trains, the chat template (the plan's ``chat_template``, else the base's) must
+render every conversation of examples.parquet with its assistant turns found: a base with no
+template, a template whose end-of-turn token the tokenizer lacks, or one that fails on a
+conversation is one line here. A plan's template is written as Axolotl's ``chat_template:
+jinja`` with ``chat_template_jinja``, which the built-in trainer, the merge and the bake read.
 """
 
 from __future__ import annotations
@@ -11,8 +17,11 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..errors import OverbrainerError
 from ..folder import CHECKPOINTS, CONFIG, EXAMPLES
 from ..fsio import write_atomic
+from ..hashing import hash_bytes
+from ..inputs.templates import Template, end_of_turn, resolve_template
 from ..stamps import outputs_digest
 from . import Outputs, upstream
 
@@ -34,7 +43,17 @@ def inputs(bake: Bake) -> dict:
         "train_rows": split.summary["train"],
         "base": outputs_digest(base),
         "base_folder": base.summary["folder"],
+        "chat_template": _template_pin(plan_template(bake)),
     }
+
+
+def plan_template(bake: Bake) -> Template | None:
+    value = bake.plan.chat_template
+    return resolve_template(value, bake.plan_dir) if value else None
+
+
+def _template_pin(template: Template | None) -> dict | None:
+    return None if template is None else {"from": template.origin, "hash": hash_bytes(template.text.encode())}
 
 
 def schedule_steps(train: TrainSettings, train_rows: int) -> dict:
@@ -69,12 +88,14 @@ def special_tokens(base_folder: Path) -> dict:
     return out
 
 
-def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: dict, trust_remote_code: bool = False) -> dict:
+def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: dict, trust_remote_code: bool = False,
+                 chat_template: str | None = None) -> dict:
     lora = train.adapter in ("lora", "qlora")
     cfg = {
         "base_model": base_folder,
         "trust_remote_code": trust_remote_code,
-        "chat_template": "tokenizer_default",
+        "chat_template": "jinja" if chat_template else "tokenizer_default",
+        "chat_template_jinja": chat_template,
         "special_tokens": tokens,
         "datasets": [
             {
@@ -158,6 +179,63 @@ def size(train: TrainSettings, base_folder: Path):
     )
 
 
+def check_chat_template(examples: Path, base_folder: Path, template: Template | None,
+                        tokens: dict) -> tuple[dict, dict[str, int]]:
+    """The special tokens to train with, and the train tokens of each source file, once the
+    template (``template``, else the base's) rendered every conversation with its assistant
+    turns found; OverbrainerError (one line) otherwise."""
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+    from transformers.utils import logging
+
+    from ..trainers.examples import assistant_spans
+
+    logging.set_verbosity_error()
+    tokenizer = AutoTokenizer.from_pretrained(base_folder)
+    for key, value in tokens.items():
+        setattr(tokenizer, key, value)
+    fix = ("set \"chat_template\" in the plan to chatml, llama3, mistral, gemma or phi3 (one whose tokens the "
+           "base's tokenizer has) or to a Jinja file")
+    if template is not None:
+        tokenizer.chat_template = template.text
+        eot = end_of_turn(template, tokenizer)
+        if eot is None or eot not in tokenizer.get_vocab():
+            raise OverbrainerError(
+                f"config: chat_template {template.origin} ends a turn with {eot!r}, which the base model's tokenizer "
+                f"does not have; use a template whose end-of-turn token it has (its eos is "
+                f"{tokenizer.eos_token!r}), e.g. a Jinja file"
+            )
+        had_pad = tokenizer.pad_token is not None and tokens.get("pad_token") != tokens.get("eos_token")
+        tokens = {"eos_token": eot, "pad_token": tokenizer.pad_token if had_pad else eot}
+        tokenizer.eos_token = eot
+    elif not tokenizer.chat_template:
+        raise OverbrainerError(f"config: the base model {base_folder.name} has no chat template; {fix}")
+    origin = template.origin if template is not None else "of the base model"
+    counts: dict[str, int] = {}
+    lengths: dict[str, int] = {}
+    number = 0
+    batches = pq.ParquetFile(examples).iter_batches(columns=["id", "split", "messages", "source"])
+    for batch in batches:
+        for row in batch.to_pylist():
+            number += 1
+            if row["id"] not in lengths:  # a conversation a weight repeats is checked once
+                try:
+                    text, spans = assistant_spans(tokenizer, row["messages"])
+                    if not spans:
+                        raise ValueError("it finds no assistant turn")
+                except Exception as e:  # jinja's errors, raise_exception's, TemplateError
+                    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    raise OverbrainerError(
+                        f"config: the chat template ({origin}) fails on {row['source']} (row {number} of "
+                        f"examples.parquet): {reason}; fix the template or that conversation, or {fix}"
+                    ) from None
+                lengths[row["id"]] = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if row["split"] == "train":
+                name = row["source"].rsplit(":", 1)[0]
+                counts[name] = counts.get(name, 0) + lengths[row["id"]]
+    return tokens, counts
+
+
 THINK = "<think>"
 
 
@@ -209,6 +287,12 @@ def run(bake: Bake, inputs: dict) -> Outputs:
     # (the train step asks again: the formats may change while config stays done)
     check_formats(list(bake.plan.bake.formats), json.loads((Path(inputs["base_folder"]) / "config.json").read_text()),
                   train.adapter)
+    template = plan_template(bake)
+    tokens = special_tokens(Path(inputs["base_folder"]))
+    tokens, counts = check_chat_template(bake.folder.examples, Path(inputs["base_folder"]), template, tokens)
+    total = sum(counts.values()) or 1
+    bake.say("config: train tokens by source: " + ", ".join(
+        f"{name} {n:,} ({100 * n / total:.0f}%)" for name, n in counts.items()))
     warnings = reasoning_warnings(bake.folder.examples, bake.data_paths, Path(inputs["base_folder"]))
     for warning in warnings:
         bake.say(f"warning: {warning}")
@@ -222,7 +306,8 @@ def run(bake: Bake, inputs: dict) -> Outputs:
         )
         train = train.model_copy(update={"micro_batch_size": memory.micro_batch_size,
                                          "gradient_accumulation_steps": memory.gradient_accumulation_steps})
-    cfg = build_config(train, base_folder, steps, special_tokens(Path(base_folder)), bake.plan.trust_remote_code)
+    cfg = build_config(train, base_folder, steps, tokens, bake.plan.trust_remote_code,
+                       template.text if template else None)
     header = f"# written by overbrainer from {bake.shown(bake.plan_path)}; edits are overwritten\n"
     import yaml
 

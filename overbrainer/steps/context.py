@@ -12,7 +12,6 @@ again as it may be by then.
 
 from __future__ import annotations
 
-import base64
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING
 from ..folder import RunFolder
 from ..hashing import HashCache
 from ..inputs.base_model import BaseSpec
+from ..inputs.sources import Source
 from ..remembered import Remembered, validated
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ class Bake:
     plan_path: Path
     folder: RunFolder
     base: BaseSpec
-    data_paths: list[Path]
+    sources: list[Source]  # the plan's data, resolved (inputs/sources.py)
     hashes: HashCache
     plan_bytes: bytes | None = None  # what the plan file held when it was read
     say: Callable[[str], None] = field(default=_silent, repr=False)
@@ -54,6 +54,11 @@ class Bake:
     # each step's `steps.check` status, computed once per bake: doit's up-to-date check
     # stores it, the step's execution takes it
     checked: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def data_paths(self) -> list[Path]:
+        """Every file of every source."""
+        return [f.path for s in self.sources for f in s.files]
 
     @property
     def plan_dir(self) -> Path:
@@ -74,18 +79,22 @@ class Bake:
 
     def handoff(self) -> dict:
         """This compiled bake as JSON, for the process that will run it."""
+        import base64
+
         return {
             "plan_path": str(self.plan_path),
             "plan": self.plan.model_dump(mode="json"),
             "plan_bytes": base64.b64encode(self.plan_bytes).decode() if self.plan_bytes is not None else None,
             "folder": str(self.folder.root),
             "base": self.base.as_dict(),
-            "data_paths": [str(p) for p in self.data_paths],
+            "sources": [s.as_json() for s in self.sources],
         }
 
     @classmethod
     def from_handoff(cls, data: dict, **callbacks) -> Bake:
         """The bake another process compiled (`handoff`), as it resolved it."""
+        import base64
+
         folder = RunFolder(Path(data["folder"]))
         raw = data.get("plan_bytes")
         return cls(
@@ -93,7 +102,7 @@ class Bake:
             plan_path=Path(data["plan_path"]),
             folder=folder,
             base=BaseSpec(**data["base"]),
-            data_paths=[Path(p) for p in data["data_paths"]],
+            sources=[Source.from_json(s) for s in data["sources"]],
             hashes=HashCache(folder.hash_cache),
             plan_bytes=base64.b64decode(raw) if raw is not None else None,
             **callbacks,

@@ -35,18 +35,20 @@ def inputs(bake: Bake) -> dict:
 def run(bake: Bake, inputs: dict) -> Outputs:
     import yaml
 
+    from ..trainers.examples import tokenizer_settings  # torch: only when there is work
+
     cfg = yaml.safe_load(bake.folder.config.read_text())
     checkpoint = bake.folder.checkpoints / inputs["checkpoint_name"]
     if bake.plan.train.trainer == "axolotl" and inputs["adapter"] == "lora":
         from ..trainers.axolotl import adopt_merged
 
         # the job's merge-lora made it from this checkpoint: adopted, not merged again
-        if adopt_merged(bake.folder.root, checkpoint, bake.folder.merged, cfg.get("special_tokens") or {}):
+        if adopt_merged(bake.folder.root, checkpoint, bake.folder.merged, tokenizer_settings(cfg)):
             bake.say(f"merge: {bake.shown(checkpoint)} merged by Axolotl's merge-lora")
             return Outputs([MERGED])
     bake.say(f"merge: {bake.shown(checkpoint)} into the base model")
     merge_into(
-        Path(inputs["base_folder"]), checkpoint, bake.folder.merged, cfg.get("special_tokens") or {},
+        Path(inputs["base_folder"]), checkpoint, bake.folder.merged, tokenizer_settings(cfg),
         lora=inputs["adapter"] in ("lora", "qlora"), trust_remote_code=bool(cfg.get("trust_remote_code")),
         dtype="bfloat16" if inputs["adapter"] == "qlora" else "float32", device=cfg.get("device", "auto"),
     )

@@ -9,6 +9,7 @@ from ..errors import OverbrainerError
 from ..folder import PLAN_JSON
 from ..fsio import write_atomic
 from ..inputs.base_model import pin_base
+from ..inputs.sources import pin_sources
 from ..version import __version__
 from . import Outputs
 
@@ -21,11 +22,9 @@ TARGETS = [PLAN_JSON]
 
 
 def data_pins(bake: Bake) -> list[dict]:
-    """The plan's data files, each as written in the plan with its content hash."""
-    return [
-        {"path": rel, "hash": bake.hashes.hash(path)}
-        for rel, path in zip(bake.plan.data_files, bake.data_paths)
-    ]
+    """The plan's data sources, each as written in the plan with its content hash (and a hub
+    dataset's commit and config), and its settings where not the default."""
+    return pin_sources(bake.sources, bake.hashes)
 
 
 def base_pin(bake: Bake) -> dict:

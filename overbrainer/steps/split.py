@@ -21,21 +21,30 @@ def inputs(bake: Bake) -> dict:
 
 
 def run(bake: Bake, inputs: dict) -> Outputs:
-    from ..inputs.conversations import split_conversations  # pyarrow: only when there is work
+    from ..inputs.conversations import split_sources  # pyarrow: only when there is work
 
-    names = {p: bake.shown(p) for p in bake.data_paths}
-    summary = split_conversations(
-        bake.data_paths,
-        bake.folder.examples,
-        validation=bake.plan.split.validation,
-        seed=bake.plan.split.seed,
-        display_names=names,
-        # the source column names each file as the plan does: the same wherever the bake runs
-        source_names={p: rel for rel, p in zip(bake.plan.data_files, bake.data_paths)},
+    summary = split_sources(
+        bake.sources, bake.folder.examples, validation=bake.plan.split.validation, seed=bake.plan.split.seed
     )
     s = summary.as_dict()
     bake.say(
         f"split: {s['rows']} conversations ({s['train']} train, {s['validation']} validation), "
         f"{s['duplicates']} duplicates dropped"
     )
+    for line in mix_lines(s):
+        bake.say(line)
     return Outputs([EXAMPLES], summary=s)
+
+
+def mix_lines(summary: dict) -> list[str]:
+    """The mix the split made, one line per source: its format, train examples and tokens."""
+    train = summary["train"] or 1
+    tokens = summary["train_tokens_estimate"] or 1
+    lines = []
+    for s in summary["sources"]:
+        formats = ", ".join(f"{name} ({n})" if len(s["formats"]) > 1 else name for name, n in s["formats"].items())
+        lines.append(
+            f"split: {s['source']}: {formats}; {s['train']} train examples ({100 * s['train'] / train:.0f}%), "
+            f"~{s['tokens']:,} tokens ({100 * s['tokens'] / tokens:.0f}%), {s['validation']} validation"
+        )
+    return lines

@@ -30,6 +30,16 @@ class TemplateError(Exception):
     pass
 
 
+def tokenizer_settings(cfg: dict) -> dict:
+    """What config.yaml sets on the base's tokenizer, as attributes: its special tokens, and
+    the plan's chat template (Axolotl's ``chat_template_jinja``) when it has one. The
+    trainer, the merge (so merged/ and baked/ carry it) and a checkpoint's chat all set it."""
+    settings = dict(cfg.get("special_tokens") or {})
+    if cfg.get("chat_template_jinja"):
+        settings["chat_template"] = cfg["chat_template_jinja"]
+    return settings
+
+
 def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant turns."""
     text = tokenizer.apply_chat_template(messages, tokenize=False)

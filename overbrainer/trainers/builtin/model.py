@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..examples import IGNORE
+from ..examples import IGNORE, tokenizer_settings
 
 
 def load_model(cfg: dict, device: torch.device, bf16: bool):
@@ -25,7 +25,7 @@ def load_model(cfg: dict, device: torch.device, bf16: bool):
     logging.disable_progress_bar()
     base = cfg["base_model"]
     tokenizer = AutoTokenizer.from_pretrained(base)
-    for key, value in (cfg.get("special_tokens") or {}).items():
+    for key, value in tokenizer_settings(cfg).items():
         setattr(tokenizer, key, value)
     adapter = cfg.get("adapter")
     # a LoRA's base is frozen: in bf16 it is read as it is (no cast per step, half the
