@@ -143,7 +143,10 @@ class TokenLoss:
         head = getattr(decoder, "module", decoder).head
         kept = hidden[:, :-1][where]
         if self.fused:
-            return self.flce(head.weight, kept, targets[where])
+            # Liger's kernel is an autograd function autocast does not reach: the weight in
+            # the hidden states' dtype (bf16 under autocast), as autocast would cast it
+            weight = head.weight if head.weight.dtype == kept.dtype else head.weight.to(kept.dtype)
+            return self.flce(weight, kept, targets[where])
         return F.cross_entropy(head(kept).float(), targets[where], reduction="sum")
 
 
