@@ -1,4 +1,11 @@
-"""The built-in trainer (torch + transformers + peft): one process running `loop.py`.
+"""The built-in trainer (torch + transformers + peft): one process running `loop.py`, or
+one per GPU (or CPU process) under torchrun.
+
+    loop.py     the training loop: setup, train_step, evaluate, save, and `train`, the loop
+    model.py    the model as config.yaml says (LoRA, QLoRA, checkpointing, compile, Liger)
+                and its loss
+    device.py   where it computes: the device, bf16, TF32, determinism, pinned copies, memory
+    ../dist.py  the ranks: DDP, no_sync during accumulation, sums and agreement
 
 Everything it needs is already in the run folder when the config step is done
 (``config.yaml`` and ``examples.parquet``), so `prepare` only checks there is something
