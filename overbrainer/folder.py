@@ -22,6 +22,12 @@
 ``trainer-error.txt``  one line: why the trainer gave up
 ``export/``            bundles of an exported job, and ``imported.json``: a result imported
 ``axolotl-job/``       the Axolotl trainer's job files (``trainers/axolotl.py``)
+``job.sh``             a Slurm run's batch script (``where/slurm.py``)
+``slurm/``             a Slurm run's jobs: what job.sh runs, the jobs submitted, how each ended
+``loss.png``           the loss curve so far, drawn again at each checkpoint
+``tensorboard/``       TensorBoard's event files, when the plan reports to it (``trackers/``)
+``mlruns/``            MLflow's SQLite store, when it reports to MLflow without a server
+``wandb/``             W&B's run files, when it reports to W&B
 =====================  ==============================================================
 
 The names are the constants below (``RunFolder``'s properties give the paths); the few that
@@ -42,7 +48,8 @@ __all__ = [
     "RunFolder", "runs_root", "cache_root", "default_name", "RUNS_ENV",
     "PLAN_JSON", "EXAMPLES", "CONFIG", "RUN_JSON", "METRICS", "LOG", "CHECKPOINTS", "MERGED", "BAKED", "ATTIC",
     "STAMPS", "DOIT_DB", "HASH_CACHE", "PLAN_MEMO", "LOCK", "RUN_LOCK", "STOP", "STOPPED", "TRAINER_ERROR",
-    "EXPORT", "IMPORTED", "IMPORTED_USED", "AXOLOTL_JOB", "META",
+    "EXPORT", "IMPORTED", "IMPORTED_USED", "AXOLOTL_JOB", "META", "JOB_SH", "SLURM", "LOSS_PLOT", "TENSORBOARD",
+    "MLRUNS", "WANDB",
 ]
 
 RUNS_ENV = "OVERBRAINER_RUNS"
@@ -65,11 +72,25 @@ EXPORT = "export"
 IMPORTED = "imported.json"  # in export/: a result imported, not yet taken up by a bake
 IMPORTED_USED = "imported.used.json"  # in export/: the last one a bake took up
 AXOLOTL_JOB = "axolotl-job"
+JOB_SH = "job.sh"
+SLURM = "slurm"
+LOSS_PLOT = "loss.png"
+TENSORBOARD = "tensorboard"
+MLRUNS = "mlruns"
+WANDB = "wandb"
 
 
-def runs_root() -> Path:
-    """Where run folders live: ``$OVERBRAINER_RUNS``, else ``runs/`` where the command runs."""
-    return Path(os.environ.get(RUNS_ENV) or "runs").absolute()
+def runs_root(given: str | os.PathLike | None = None) -> Path:
+    """Where run folders live: `given` (``--runs``), else ``$OVERBRAINER_RUNS``, else
+    ``runs/`` where the command runs. A file there is refused in one line."""
+    root = Path(given or os.environ.get(RUNS_ENV) or "runs").absolute()
+    if root.exists() and not root.is_dir():
+        from .errors import FileProblem
+
+        said = "--runs" if given else (f"${RUNS_ENV}" if os.environ.get(RUNS_ENV) else "the runs folder")
+        raise FileProblem(root, f"is a file, not a folder ({said}: where run folders go)",
+                          "give a folder's path (it is made if missing)")
+    return root
 
 
 def cache_root() -> Path:
@@ -113,6 +134,12 @@ class RunFolder:
     trainer_error = property(lambda self: self.root / TRAINER_ERROR)
     export = property(lambda self: self.root / EXPORT)
     axolotl_job = property(lambda self: self.root / AXOLOTL_JOB)
+    job_sh = property(lambda self: self.root / JOB_SH)
+    slurm = property(lambda self: self.root / SLURM)
+    loss_plot = property(lambda self: self.root / LOSS_PLOT)
+    tensorboard = property(lambda self: self.root / TENSORBOARD)
+    mlruns = property(lambda self: self.root / MLRUNS)
+    wandb = property(lambda self: self.root / WANDB)
 
     def stamp(self, step: str) -> Path:
         return self.stamps / f"{step}.json"

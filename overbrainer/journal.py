@@ -4,12 +4,15 @@ keeps the record while it bakes, and the `Run` API, which reads it and asks for 
 stand on::
 
     {
-      "state": "running",          # planned starting running stopping stopped done failed
+      "state": "running",          # planned starting queued running stopping stopped done failed
+      "slurm_job": "1234",         # where.slurm: the batch job training it (queued: pending there)
       "where": "here",
       "plan_file": "/abs/plans/demo.json",
       "process": {"pid": 4242, "create_time": 1733150000.12, "host": "box"},
       "step": 18, "steps": 54,
       "task": "train",             # the step under way
+      "stages": [["config", "train.learning_rate: 0.003 → 0.001"], ["train", "..."]],  # each step
+                                   # this attempt began, with why: what a follower prints
       "reason": null,              # why it is stopped or failed, in words
       "result": {"ran": [...], "skipped": [...], "error": null, "kind": null, "log_tail": ""},
       "attempts": [{"start": "...", "end": "...", "pid": 4242, "exit": 0, "reason": "done"}]
@@ -31,8 +34,8 @@ from .fsio import write_atomic
 
 __all__ = ["STATES", "ACTIVE", "FINAL", "DIED", "read", "status", "update", "this_process", "alive"]
 
-STATES = ("planned", "starting", "running", "stopping", "stopped", "done", "failed")
-ACTIVE = ("starting", "running", "stopping")
+STATES = ("planned", "starting", "queued", "running", "stopping", "stopped", "done", "failed")
+ACTIVE = ("starting", "queued", "running", "stopping")
 FINAL = ("stopped", "done", "failed")
 DIED = "process ended without saying so"
 
@@ -70,7 +73,7 @@ def update(folder: RunFolder, _only_if: tuple[str, ...] | None = None, **fields)
         data = read(folder)
         if _only_if is not None and data.get("state") not in _only_if:
             return data
-        if data.get("state") == "stopping" and fields.get("state") == "running":
+        if data.get("state") == "stopping" and fields.get("state") in ("queued", "running"):
             fields = {k: v for k, v in fields.items() if k != "state"}
         data.update(fields)
         write_atomic(folder.run_json, json.dumps(data, indent=1) + "\n", fault="runjson:before-replace")

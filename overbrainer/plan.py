@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import PlanError
 from .folder import default_name
 
-__all__ = ["Plan", "DataSource", "SplitSettings", "TrainSettings", "Schedule", "BakeSettings", "load_plan"]
+__all__ = ["Plan", "DataSource", "SlurmSettings", "SlurmTarget", "SplitSettings", "TrainSettings", "Schedule", "BakeSettings",
+           "load_plan"]
 
 # What `bake.formats` may name; overbrainer/formats/ writes them. The gguf-<type> formats are
 # the types the `gguf` package quantizes to in pure Python, so no llama.cpp build is needed at
@@ -33,6 +34,8 @@ BAKE_FORMATS = (
     "adapter",
 )
 TRAINERS = ("builtin", "axolotl")
+# What `report_to` may name; overbrainer/trackers/ mirrors metrics.jsonl to them.
+TRACKERS = ("tensorboard", "mlflow", "wandb")
 # what `data[].format` may name, and the keys `data[].fields` may rename (inputs/formats.py)
 DATA_FORMATS = ("auto", "openai", "sharegpt", "prompt_completion", "alpaca")
 DATA_FIELDS = (
@@ -228,6 +231,29 @@ class SSHTarget(_Settings):
     identity: str | None = Field(default=None, description="A private key file for this host.")
 
 
+class SlurmSettings(_Settings):
+    """A Slurm batch job: each setting becomes one ``#SBATCH`` line of the run's job.sh."""
+
+    partition: str | None = Field(default=None, min_length=1, description="--partition")
+    nodes: int = Field(default=1, ge=1, le=4096, description="--nodes; torchrun meets on the first one")
+    gpus_per_node: int | None = Field(default=None, ge=1, le=64, description="--gpus-per-node")
+    cpus_per_task: int | None = Field(default=None, ge=1, le=4096, description="--cpus-per-task")
+    time: str | None = Field(default=None, pattern=r"^[0-9:-]+$", description='--time, e.g. "12:00:00"')
+    account: str | None = Field(default=None, min_length=1, description="--account")
+    qos: str | None = Field(default=None, min_length=1, description="--qos")
+    requeue: bool = Field(default=False, description="--requeue: Slurm may requeue the job (preemption)")
+    grace: int = Field(default=120, ge=1, le=86400,
+                       description="--signal=B:USR1@<grace>: seconds before its time limit the trainer checkpoints")
+    sbatch: list[Annotated[str, Field(pattern=r"^--?[A-Za-z]")]] = Field(
+        default_factory=list, description='More sbatch options, each one as written: ["--constraint=h100"]')
+
+
+class SlurmTarget(_Settings):
+    """Train as a Slurm batch job, the run folder on a filesystem the cluster shares."""
+
+    slurm: SlurmSettings = Field(default_factory=SlurmSettings)
+
+
 class Plan(_Settings):
     """A fine-tune, declared."""
 
@@ -242,14 +268,40 @@ class Plan(_Settings):
     trust_remote_code: bool = Field(
         default=False, description="Run Python code shipped with the base model (off: only safetensors and configs are read).",
     )
-    where: Literal["here", "export"] | SSHTarget = Field(
-        default="here", description='"here", "export" (a bundle to run anywhere), or {"ssh": "user@host"}.'
+    where: Literal["here", "export"] | SSHTarget | SlurmTarget = Field(
+        default="here",
+        description='"here", "export" (a bundle to run anywhere), {"ssh": "user@host"} or {"slurm": {...}}.',
     )
+    report_to: list[Literal[TRACKERS]] = Field(
+        default_factory=list,
+        description="Trackers that mirror metrics.jsonl while it trains: tensorboard, mlflow, wandb.",
+    )
+
+    @field_validator("report_to")
+    @classmethod
+    def _once_each(cls, names: list[str]) -> list[str]:
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} listed more than once; list each tracker once")
+        return names
     chat_template: Annotated[str, Field(min_length=1)] | None = Field(
         default=None,
         description="The chat template to train with: a Jinja string, a .jinja file (relative to the plan), "
         f"or one of {', '.join(TEMPLATE_FAMILIES)}; default: the base model's own.",
     )
+
+    @model_validator(mode="after")
+    def _slurm_fits_the_trainer(self) -> Plan:
+        if not isinstance(self.where, SlurmTarget):
+            return self
+        slurm = self.where.slurm
+        if slurm.nodes > 1 and self.train.trainer != "builtin":
+            raise ValueError("where.slurm.nodes > 1 runs torchrun across nodes: the built-in trainer only; "
+                             "set train.trainer to builtin or nodes to 1")
+        if slurm.gpus_per_node is not None and slurm.gpus_per_node != self.train.processes:
+            raise ValueError(f"where.slurm.gpus_per_node is {slurm.gpus_per_node} but train.processes (training "
+                             f"processes per node, one per GPU) is {self.train.processes}; make them equal")
+        return self
 
     @property
     def data_files(self) -> list[str]:
@@ -370,6 +422,11 @@ def _describe(err: dict, text: str, shown: str) -> str:
         message = f"unknown format {err.get('input')!r}; supported: {', '.join(BAKE_FORMATS)}"
     if kind == "literal_error" and loc == ["train", "trainer"]:
         message = f"unknown trainer {err.get('input')!r}; supported: {', '.join(TRAINERS)}"
+    if kind == "literal_error" and loc[:1] == ["report_to"]:
+        given = str(err.get("input"))
+        guess = difflib.get_close_matches(given.lower(), TRACKERS, n=1, cutoff=0.5)
+        hint = f"did you mean {guess[0]!r}?" if guess else f"supported: {', '.join(TRACKERS)}"
+        message = f"unknown tracker {given!r}; {hint}"
     fix = _FIXES.get(kind, "")
     return f"{where}{field}: {message}" + (f"; {fix}" if fix else "")
 

@@ -131,7 +131,7 @@ def test_no_examples_is_its_own_error(tmp_path):
     from overbrainer.trainers import NoTrainingData
 
     (tmp_path / "config.yaml").write_text("max_steps: 1\n")
-    with pytest.raises(NoTrainingData, match="run the split step first"):
+    with pytest.raises(NoTrainingData, match="run `overbrainer split PLAN` first"):
         Axolotl().prepare(tmp_path, str(tmp_path))
 
 

@@ -112,3 +112,17 @@ def test_training_failure_is_a_failed_run_with_the_log(project, tmp_path):
     assert (folder / ".stamps" / "split.json").exists()  # what finished stays finished
     report = json.loads(cli("bake", str(project.plan_path), "--json", check=1).stdout.splitlines()[-1])
     assert report["state"] == "failed" and "train" not in report["ran"]
+
+
+def test_base_without_chat_template_is_refused_at_config(project, tmp_path):
+    tiny = project.root / "tiny"
+    (tiny / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((tiny / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tiny / "tokenizer_config.json").write_text(json.dumps(config))
+    proc = cli("bake", str(project.plan_path), "--foreground", check=2)
+    first = one_clear_line(proc, "has no chat template", "use an instruct or chat model")
+    assert first.startswith("error: base: './tiny' has no chat template")
+    folder = tmp_path / "runs" / "tiny"
+    assert (folder / ".stamps" / "split.json").exists() and not (folder / ".stamps" / "config.json").exists()
+    assert not (folder / "checkpoints").exists() and not (folder / "log.txt").exists()  # no trainer started

@@ -330,3 +330,42 @@ def test_doit_forget_reruns_nothing(finished, tmp_path):
     assert {p.name: p.read_bytes() for p in (folder / ".stamps").iterdir()} == stamps  # stamps are the truth
     assert "not done yet" not in ran.stdout + ran.stderr
     cli("bake", str(finished.plan), "--check")
+
+
+def test_doit_train_keeps_run_json_and_clears_a_stop(finished, tmp_path):
+    """`doit train plan=...` is a bake like `overbrainer bake --foreground`: run.json says
+    starting, then done, with an attempt; a stop left by `overbrainer stop` is cleared."""
+    from overbrainer import Run
+
+    folder = finished.restore(tmp_path / "runs")
+    run = Run(folder)
+    before = len(run.status["attempts"])
+    (folder / "stop").write_text("asked\n")  # what `overbrainer stop` leaves behind
+    edited = sibling(finished, tmp_path, learning_rate=0.001)
+    proc = doit("train", f"plan={edited}")
+    assert "stopped before" not in proc.stdout + proc.stderr
+    status = run.status
+    assert status["state"] == "done" and len(status["attempts"]) == before + 1
+    attempt = status["attempts"][-1]
+    assert attempt["exit"] == 0 and attempt["reason"] == "done" and attempt["end"]
+    assert [name for name, _ in status["stages"]] == ["resolve", "config", "train", "merge", "bake"]
+    assert status["result"]["ran"] == ["resolve", "config", "train", "merge", "bake"]
+    assert not (folder / "stop").exists()
+    waited = cli("wait", str(folder), timeout=30)  # returns at once: the run is done
+    assert "baked:" in waited.stdout or "up to date" in waited.stdout
+
+
+def test_doit_info_agrees_with_why_and_doit_needs_a_plan(finished, tmp_path):
+    finished.restore(tmp_path / "runs")
+    edited = sibling(finished, tmp_path, learning_rate=0.001)
+    reruns = [s for s in why_json(edited, "config")][0]["reruns"]
+    assert "train" in reruns
+    for step in reruns:  # each step `why` says reruns, doit says will run
+        info = doit("info", f"train:{step}", f"plan={edited}", check=1).stdout
+        assert "status     : run" in info, step + "\n" + info
+    train = doit("info", "train:train", f"plan={edited}", check=1).stdout
+    assert "stamp of train: after config" in train  # its own stamp is fine: config runs first
+    info = doit("info", "train:split", f"plan={edited}").stdout
+    assert "status     : up-to-date" in info
+    none = doit("train", check=2)
+    assert "give the plan: doit train plan=" in none.stderr

@@ -16,11 +16,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "overbrainer"
 
 # top to bottom; a module may import its own layer and the layers below it
 LAYERS = [
-    ("api", ["overbrainer", "overbrainer.__main__", "overbrainer.cli"]),
+    ("api", ["overbrainer", "overbrainer.__main__", "overbrainer.cli", "overbrainer.serve"]),
     ("runtime", ["overbrainer.runtime"]),
     ("graph", ["overbrainer.graph"]),
     ("steps", ["overbrainer.steps"]),
-    ("parts", ["overbrainer.inputs", "overbrainer.where", "overbrainer.trainers", "overbrainer.formats",
+    ("parts", ["overbrainer.inputs", "overbrainer.where", "overbrainer.trainers", "overbrainer.formats", "overbrainer.trackers",
                "overbrainer.chat"]),
     ("ground", ["overbrainer.plan", "overbrainer.remembered", "overbrainer.stamps", "overbrainer.hashing",
                 "overbrainer.folder", "overbrainer.fsio", "overbrainer.journal", "overbrainer.errors", "overbrainer.version"]),

@@ -1,4 +1,5 @@
-"""The commands that bake a plan: ``bake`` (with --dry-run, --check, --detach, --foreground)."""
+"""The commands that bake a plan: ``bake`` (with --dry-run, --check, --detach, --foreground),
+and ``split`` (the split step alone)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,14 @@ def add_parsers(sub) -> None:
     mode.add_argument("--detach", action="store_true", help="start the run in its own process and return at once")
     mode.add_argument("--foreground", action="store_true", help="run in this process (what CI and doit want)")
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--runs", dest="runs_here", help=argparse.SUPPRESS)
     # the bake as the process that launched this one compiled it (JSON on stdin)
     p.add_argument("--compiled", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bake)
+
+    p = sub.add_parser("split", help="the split step alone: examples.parquet, to look at before training")
+    p.add_argument("plan", help="the plan file, e.g. plans/demo.json")
+    p.add_argument("--json", action="store_true", help="one JSON object: folder, rows, train, validation")
+    p.set_defaults(func=cmd_split)
 
 
 def cmd_bake(args) -> int:
@@ -62,6 +67,29 @@ def cmd_bake(args) -> int:
     return _bake_detached(bake, report, args, out)
 
 
+def cmd_split(args) -> int:
+    """Validate and split the plan's conversations into examples.parquet (up to date: nothing
+    to do), in this process; run.json is left to the whole bake."""
+    from ..graph.driver import compile_bake, run_bake
+    from ..stamps import read_stamp
+
+    out = sys.stderr if args.json else sys.stdout
+    bake = compile_bake(args.plan, runs=args.runs, say=lambda message: print(message, file=out, flush=True))
+    done = run_bake(bake, task=["train:resolve", "train:split"])  # plan.json too: `status` shows it planned
+    if done.error is not None:
+        raise done.error
+    summary = read_stamp(bake.folder.stamp("split")).summary
+    if "split" in done.skipped:
+        print("split: up to date", file=out)
+    where = shown(bake.folder.root)
+    print(f"examples: {shown(bake.folder.examples)} ({summary['train']} train, {summary['validation']} validation); "
+          f"`overbrainer examples {where}` shows a few", file=out)
+    if args.json:
+        print(json.dumps({"folder": str(bake.folder.root), "examples": str(bake.folder.examples),
+                          "ran": done.ran, **{k: summary[k] for k in ("rows", "train", "validation", "duplicates")}}))
+    return 0
+
+
 def _bake_check(bake, report: dict, as_json: bool, out) -> int:
     """``bake --check``: like ``make -q``, the exit code says whether anything would run."""
     from ..graph.driver import would_run
@@ -81,21 +109,23 @@ def _bake_here(bake, report: dict, as_json: bool, out, quiet: bool) -> int:
     a second Ctrl-C abandons at once."""
     import signal
 
-    from ..graph.driver import run_bake
+    from ..graph.driver import Outcome, run_bake
 
     asked = []
+    done = Outcome()
 
     def ask_stop(signum, frame):
         if asked and signum == signal.SIGINT:
             raise KeyboardInterrupt
         asked.append(signum)
+        done.signalled = done.signalled or signum  # the exit code says so: 130 or 143
         bake.folder.stop_request.write_text("signal\n")
         bake.say("stopping at the next step, with a checkpoint (Ctrl-C again to abandon)")
 
     signal.signal(signal.SIGINT, ask_stop)
     signal.signal(signal.SIGTERM, ask_stop)
     try:
-        done = run_bake(bake)
+        run_bake(bake, done=done)
     except OverbrainerError:
         raise  # AlreadyRunning: nothing of this folder was touched
     report.update(ran=done.ran, skipped=done.skipped)
@@ -148,18 +178,34 @@ def finish(folder: Path, report: dict, as_json: bool, out, quiet: bool) -> int:
             print(f"baked: {where}" if report["ran"] else f"everything is up to date: {where}", file=out)
         return _done(report, as_json, out, folder, quiet)
     reason = status.get("reason") or state
-    report["error" if state == "failed" else "message"] = reason
+    if state == "failed":
+        kind = result.get("kind") or "run"
+        where = None if kind == "input" else str(RunFolder(Path(folder)).log)
+        report["error"] = {"kind": kind, "message": reason, "where": where}
+    else:
+        report["message"] = reason
     if as_json:
         print(json.dumps(report))
     if state == "stopped":
         if not quiet:
             print(reason, file=out)
-        return 0
-    if not quiet:
+    elif not quiet:
         print(f"error: {reason}", file=sys.stderr)
         if result.get("log_tail"):
             print(result["log_tail"], file=sys.stderr)
-    return 2 if result.get("kind") == "input" else 1
+    return _exit_code(status)
+
+
+def _exit_code(status: dict) -> int:
+    """The exit code the run's last attempt recorded (130/143 when a signal stopped it),
+    else what its state means."""
+    from ..graph.driver import exit_code
+
+    attempts = status.get("attempts") or []
+    if attempts and isinstance(attempts[-1].get("exit"), int) and attempts[-1].get("end"):
+        return attempts[-1]["exit"]
+    result = status.get("result") or {}
+    return exit_code(status["state"], result.get("kind"), None, None)
 
 
 def _done(report: dict, as_json: bool, out, folder: Path, quiet: bool = False) -> int:

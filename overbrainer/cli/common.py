@@ -7,7 +7,20 @@ from pathlib import Path
 
 from ..errors import OverbrainerError
 
-__all__ = ["find_run", "shown"]
+__all__ = ["find_run", "shown", "use_color"]
+
+
+def use_color(stream, no_color: bool = False) -> bool:
+    """Whether to colour what goes to `stream`: never with ``--no-color`` or ``NO_COLOR``
+    (https://no-color.org: set and not empty), always with ``FORCE_COLOR`` (set and not
+    empty, nor ``0``), else on a terminal only."""
+    if no_color or os.environ.get("NO_COLOR"):
+        return False
+    force = os.environ.get("FORCE_COLOR")
+    if force and force != "0":
+        return True
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
 
 
 def shown(path: Path) -> str:
@@ -28,11 +41,11 @@ def find_run(value: str, runs: str | None):
     if path.is_file() and path.suffix == ".json":
         from ..remembered import load
 
-        root = Path(runs).absolute() if runs else runs_root()
+        root = runs_root(runs)
         return Run(root / load(path.absolute(), root)[0].name)
     if path.is_dir():
         return Run(path)
-    root = Path(runs).absolute() if runs else runs_root()
+    root = runs_root(runs)
     if "/" not in value and (root / value).is_dir():
         return Run(root / value)
     raise OverbrainerError(f"{value}: no such run; give a run folder (runs/NAME), a run name or its plan file")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+
+from .common import use_color
 
 
 def add_parsers(sub) -> None:
@@ -14,14 +15,12 @@ def add_parsers(sub) -> None:
     p.add_argument("--outs", action="store_true", help="the files alone, with an edge between files (like dvc dag --outs)")
     p.add_argument("--no-status", action="store_true", help="the graph alone, the same on every machine (no stamps read)")
     p.add_argument("--json", action="store_true", help="nodes, statuses and edges as one JSON object")
-    p.add_argument("--runs", dest="runs_here", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_graph)
 
     p = sub.add_parser("why", help="why each step would run: what changed, and what it makes rerun")
     p.add_argument("plan", help="the plan file, e.g. plans/demo.json")
     p.add_argument("step", nargs="?", help="one step (with the steps before it that make it run)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--runs", dest="runs_here", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_why)
 
 
@@ -34,7 +33,7 @@ def cmd_graph(args) -> int:
     if args.json:
         print(json.dumps(explain.as_json(bake, states, outs=args.outs), indent=1))
         return 0
-    color = args.format == "text" and sys.stdout.isatty()
+    color = args.format == "text" and use_color(sys.stdout, args.no_color)
     sys.stdout.write(explain.render(states, args.format, outs=args.outs, plan=bake.plan_path.name, color=color))
     return 0
 

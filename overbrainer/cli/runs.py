@@ -1,4 +1,5 @@
-"""The commands on runs: ``status``, ``runs``, ``stop``, ``resume``, ``wait``, ``metrics``, ``log``, ``checkpoints``, ``import``."""
+"""The commands on runs: ``status``, ``runs``, ``stop``, ``resume``, ``wait``, ``metrics``, ``log``,
+``checkpoints``, ``examples``, ``import``."""
 
 from __future__ import annotations
 
@@ -53,6 +54,13 @@ def add_parsers(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_checkpoints)
 
+    p = sub.add_parser("examples", help="a few rows of a run's examples.parquet (after `overbrainer split PLAN`)")
+    p.add_argument("run")
+    p.add_argument("-n", "--rows", type=int, default=5, help="how many (default 5)")
+    p.add_argument("--split", choices=["train", "validation"], help="only this split")
+    p.add_argument("--json", action="store_true", help="the rows as one JSON object")
+    p.set_defaults(func=cmd_examples)
+
     p = sub.add_parser("import", help="bring the result of an exported job back into its run, verified")
     p.add_argument("run", help="the run folder (runs/NAME), its name, or its plan file")
     p.add_argument("result", help="the result.tar.gz the job wrote")
@@ -106,9 +114,11 @@ def cmd_import(args) -> int:
 
 
 def cmd_stop(args) -> int:
+    from ..journal import ACTIVE
+
     run = find_run(args.run, args.runs)
     before = run.state
-    if before not in ("starting", "running", "stopping"):
+    if before not in ACTIVE:
         print(f"{shown(run.folder.root)} is not running ({before})")
         return 0
     state = run.stop(wait=not args.no_wait, timeout=args.timeout)
@@ -215,4 +225,29 @@ def cmd_checkpoints(args) -> int:
         ev = f"  eval {r['eval_loss']:.4f}" if r["eval_loss"] is not None else ""
         loss = f"  loss {r['loss']:.4f}" if r["loss"] is not None else ""
         print(f"step {r['step']:>6}  {r['phase']:<7}{loss}{ev}  {shown(Path(r['path']))}{note}")
+    return 0
+
+
+def cmd_examples(args) -> int:
+    from ..errors import RunStateError
+
+    run = find_run(args.run, args.runs)
+    path = run.folder.examples
+    if not path.is_file():
+        raise RunStateError(f"{shown(path)}: no examples yet; `overbrainer split PLAN` makes them")
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path, columns=["id", "split", "messages", "source"])
+    rows = [r for r in table.to_pylist() if args.split in (None, r["split"])]
+    counts = {name: sum(1 for r in table.column("split").to_pylist() if r == name) for name in ("train", "validation")}
+    if args.json:
+        print(json.dumps({"examples": str(path), **counts, "rows": rows[: args.rows]}))
+        return 0
+    print(f"{shown(path)}: {counts['train']} train, {counts['validation']} validation; "
+          f"{min(args.rows, len(rows))} of {len(rows)}{' ' + args.split if args.split else ''} shown")
+    for r in rows[: args.rows]:
+        print(f"\n{r['split']}  {r['id'][:12]}  {r['source']}")
+        for m in r["messages"]:
+            text = " ".join(m["content"].split())
+            print(f"  {m['role']:>9}: {text if len(text) <= 100 else text[:99] + '…'}")
     return 0

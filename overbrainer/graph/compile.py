@@ -26,7 +26,7 @@ def compile_bake(plan_path: str | os.PathLike, runs: str | os.PathLike | None = 
     """The plan at `plan_path`, compiled for its folder under `runs` (default: the runs
     folder); `say` gets the bake's lines for the user (default: none)."""
     plan_path = Path(plan_path).absolute()
-    root = Path(runs).absolute() if runs else runs_root()
+    root = runs_root(runs)
     plan, raw = load_plan(plan_path, root)
     shown_plan = os.path.relpath(plan_path) if not str(plan_path).startswith("..") else str(plan_path)
     # files, folders and globs must exist, a hub dataset be in the cache (or reachable)

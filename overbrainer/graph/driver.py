@@ -22,25 +22,30 @@ from ..steps.context import Bake
 from .compile import compile_bake
 from .tasks import Outcome
 
-__all__ = ["Outcome", "run_bake", "dry_run", "would_run", "doit_config", "memory_estimate", "outcome", "AlreadyRunning",
+__all__ = ["Outcome", "run_bake", "exit_code", "dry_run", "would_run", "doit_config", "memory_estimate", "outcome", "AlreadyRunning",
            "compile_bake"]
 
 
-def doit_config(bake: Bake, done: Outcome, tell_errors: bool = False) -> dict:
+def doit_config(bake: Bake, done: Outcome, tell_errors: bool = False, record: bool = False) -> dict:
     """doit's settings for a bake: its database in the run folder, and a reporter that
-    speaks in steps (`tell_errors`: it prints the error too, as under ``doit`` alone)."""
+    speaks in steps (`tell_errors`: it prints the error too, and `record`: it keeps
+    run.json, as under ``doit`` alone)."""
     return {
         "dep_file": str(bake.folder.doit_db),
         "backend": "sqlite3",
         "default_tasks": ["train"],
-        "reporter": _reporter(bake, done, tell_errors),
+        "reporter": _reporter(bake, done, tell_errors, record),
         "verbosity": 2,
     }
 
 
-def run_bake(bake: Bake, task: str = "train") -> Outcome:
-    """Run the graph (or the part of it up to `task`, e.g. ``train:split``) in this process,
-    keeping run.json.
+def run_bake(bake: Bake, task: str | list[str] = "train", done: Outcome | None = None) -> Outcome:
+    """Run the graph (or the parts of it up to `task`, e.g. ``train:split``) in this process,
+    keeping run.json; what it did goes into `done` (a signal handler may mark it
+    `signalled`). The attempt run.json records has the exit code `exit_code` gives.
+
+    A part of the graph (``overbrainer split``) keeps no record: run.json is the whole
+    bake's.
 
     The run folder's lock is taken before anything is written: a second bake of the same
     folder fails at once (`AlreadyRunning`) and never touches the first one's files.
@@ -54,31 +59,80 @@ def run_bake(bake: Bake, task: str = "train") -> Outcome:
     folder.root.mkdir(parents=True, exist_ok=True)
     if bake.plan_bytes is not None:  # a folder new for this plan: remembered from now on
         remember(bake.plan_path, bake.plan_bytes, bake.plan, folder.root)
-    done = Outcome()
+    done = done if done is not None else Outcome()
     with _one_bake(folder):
-        attempts = journal.read(folder).get("attempts", [])
-        attempt = {"start": now(), "pid": os.getpid()}
-        folder.stop_request.unlink(missing_ok=True)
-        journal.update(folder, state="starting", where="here", plan_file=str(bake.plan_path),
-                       process=journal.this_process(), reason=None, result=None, attempts=[*attempts, attempt])
-        untold, bake.tell = bake.tell, lambda **fields: journal.update(folder, **fields)
+        folder.stop_request.unlink(missing_ok=True)  # a stop asked of an earlier bake
         bake.checked.clear()
+        doit = DoitMain(ModuleTaskLoader({"task_train": lambda: doit_tasks(bake, done), "DOIT_CONFIG": doit_config(bake, done)}))
+        argv = ["run", *([task] if isinstance(task, str) else task)]
+        if task != "train":
+            done.code = doit.run(argv)
+            return done
+        attempt = _Attempt(bake, done)
         try:
-            namespace = {"task_train": lambda: doit_tasks(bake, done), "DOIT_CONFIG": doit_config(bake, done)}
-            done.code = DoitMain(ModuleTaskLoader(namespace)).run(["run", task])
+            done.code = doit.run(argv)
         except BaseException as e:  # Ctrl-C twice, or a bug: the record must say so
             done.error = done.error or e
-            done.code = 1
             raise
         finally:
-            state, reason, kind = outcome(done.error)
-            log_tail = getattr(done.error, "log_tail", "") or ""
-            attempt.update(end=now(), exit=done.code, reason=reason or state)
-            journal.update(folder, state=state, reason=reason, attempts=[*attempts, attempt],
-                           result={"ran": done.ran, "skipped": done.skipped, "error": reason if done.error else None,
-                                   "kind": kind, "log_tail": log_tail})
-            bake.tell = untold
+            attempt.end()
     return done
+
+
+class _Attempt:
+    """One attempt of a whole bake, in run.json: "starting" (nothing of an earlier attempt's
+    progress kept) and the bake's `tell` pointed at run.json, then its end state, reason,
+    result and exit code. Both doors keep it the same way: `run_bake` (``overbrainer
+    bake``) and, under ``doit train plan=...``, the reporter. The caller holds the lock."""
+
+    def __init__(self, bake: Bake, done: Outcome):
+        self.bake, self.done, folder = bake, done, bake.folder
+        self.before = journal.read(folder).get("attempts", [])
+        self.attempt = {"start": now(), "pid": os.getpid()}
+        journal.update(folder, state="starting", where="here", plan_file=str(bake.plan_path),
+                       process=journal.this_process(), reason=None, result=None,
+                       attempts=[*self.before, self.attempt], task=None, stages=[], step=None, steps=None)
+        self.untold, bake.tell = bake.tell, _teller(folder)
+
+    def end(self) -> None:
+        done = self.done
+        state, reason, kind = outcome(done.error)
+        log_tail = getattr(done.error, "log_tail", "") or ""
+        done.code = exit_code(state, kind, done.error, done.signalled)
+        self.attempt.update(end=now(), exit=done.code, reason=reason or state)
+        journal.update(self.bake.folder, state=state, reason=reason, attempts=[*self.before, self.attempt],
+                       result={"ran": done.ran, "skipped": done.skipped, "error": reason if done.error else None,
+                               "kind": kind, "log_tail": log_tail})
+        self.bake.tell = self.untold
+
+
+def _teller(folder: RunFolder):
+    """A bake's `tell`: progress into run.json; a step that begins (``task`` with ``why``)
+    is added to this attempt's ``stages`` too, for a follower that polls between two."""
+    stages: list[list[str]] = []
+
+    def tell(**fields) -> None:
+        if "why" in fields:
+            stages.append([fields["task"], fields.pop("why")])
+            fields["stages"] = stages
+        journal.update(folder, **fields)
+
+    return tell
+
+
+def exit_code(state: str, kind: str | None, error: BaseException | None, signalled: int | None) -> int:
+    """The exit code of a bake that ended in `state`: 0 done or stopped on request, 1 the
+    run failed, 2 its input is wrong; 130 (SIGINT, Ctrl-C) or 143 (SIGTERM) when a signal
+    stopped it, as a shell expects (128 + the signal's number)."""
+    import signal
+
+    if isinstance(error, KeyboardInterrupt):
+        return 128 + signal.SIGINT
+    if signalled is not None and state != "done":
+        return 128 + signalled
+    if state in ("done", "stopped"):
+        return 0
+    return 2 if kind == "input" else 1
 
 
 def outcome(error: BaseException | None) -> tuple[str, str | None, str | None]:
@@ -156,11 +210,29 @@ def _one_bake(folder: RunFolder) -> Iterator[None]:
         raise AlreadyRunning(f"{folder.root}: already being baked{holder}; follow it with `overbrainer wait`, or stop it") from None
 
 
-def _reporter(bake: Bake, done: Outcome, tell_errors: bool):
-    """A doit reporter that speaks in steps and leaves error messages to the caller."""
+def _reporter(bake: Bake, done: Outcome, tell_errors: bool, record: bool):
+    """A doit reporter that speaks in steps and leaves error messages to the caller. With
+    `record` (``doit train plan=...``, no `run_bake` around it), a run of the whole graph
+    takes the run folder's lock and keeps run.json as `run_bake` does."""
+    from contextlib import ExitStack
+
     from doit.reporter import ConsoleReporter
 
+    from .tasks import GROUP, STEPS
+
     class BakeReporter(ConsoleReporter):
+        attempt: _Attempt | None = None
+
+        def initialize(self, tasks, selected_tasks):
+            super().initialize(tasks, selected_tasks)
+            if not record or list(selected_tasks or [GROUP]) != [GROUP]:
+                return  # a part of the graph: run.json is the whole bake's
+            self.held = ExitStack()
+            self.held.enter_context(_one_bake(bake.folder))  # AlreadyRunning: nothing touched
+            bake.folder.stop_request.unlink(missing_ok=True)  # a stop asked of an earlier bake
+            self.attempt = _Attempt(bake, done)
+
+
         def execute_task(self, task):
             # run.json names the step under way: what `overbrainer graph` shows as running
             if ":" in task.name:
@@ -186,5 +258,11 @@ def _reporter(bake: Bake, done: Outcome, tell_errors: bool):
                     self.write(tail + "\n")
             if self.runtime_errors:
                 self.write("\n".join(self.runtime_errors) + "\n")
+            if self.attempt is not None:
+                if done.error is None and len(done.ran) + len(done.skipped) < len(STEPS):
+                    done.error = KeyboardInterrupt()  # doit was stopped between its steps
+                self.attempt.end()
+                self.attempt = None
+                self.held.close()
 
     return BakeReporter

@@ -47,12 +47,14 @@ DEPS: dict[str, tuple[str, ...]] = {
 @dataclass
 class Outcome:
     """What a bake did: the steps it ran and those already done, in order, and the error
-    that ended it (None: it went through). `code` is doit's exit code."""
+    that ended it (None: it went through). `code` is the bake's exit code (the driver's
+    `exit_code`; doit's own under ``doit``); `signalled`, the signal that asked it to stop."""
 
     ran: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     error: BaseException | None = None
     code: int = 0
+    signalled: int | None = None
 
 
 def step(name: str):
@@ -72,16 +74,27 @@ def downstream(name: str) -> list[str]:
 
 
 class _UpToDate:
-    """A step's doit ``uptodate`` check: its stamp. Its repr is the reason, so that
-    ``doit info`` says why a step would run, in the words of ``bake --dry-run``."""
+    """A step's doit ``uptodate`` check: its stamp, and the steps before it. Its repr is the
+    reason, so that ``doit info`` says why a step would run, in the words of ``bake
+    --dry-run`` and ``overbrainer why`` ("after config": a step before it will run first,
+    and change what it reads). A step before it that this doit run has already run or
+    skipped is up to date now; one it has not reached is asked (`doit info`, `doit list
+    --status`)."""
 
-    def __init__(self, bake: Bake, module):
-        self.bake, self.module, self.reason = bake, module, None
+    def __init__(self, bake: Bake, module, done: Outcome, checks: dict[str, _UpToDate]):
+        self.bake, self.module, self.done, self.checks, self.reason = bake, module, done, checks, None
 
     def __call__(self) -> bool:
         status = check(self.bake, self.module)
         self.reason = status.reason
-        return status.up_to_date
+        if not status.up_to_date:
+            return False
+        reached = set(self.done.ran) | set(self.done.skipped)
+        before = [d for d in DEPS[self.module.NAME] if d not in reached and not self.checks[d]()]
+        if before:
+            self.reason = f"after {', '.join(before)}"
+            return False
+        return True
 
     def __repr__(self) -> str:
         return f"stamp of {self.module.NAME}: {self.reason or 'not checked yet'}"
@@ -104,6 +117,9 @@ def remove_stamp(bake: Bake, module, dryrun: bool = False) -> None:
 def doit_tasks(bake: Bake, done: Outcome):
     """The doit task dictionaries of a bake, in order; what they do is recorded in `done`."""
     folder = bake.folder
+    checks: dict[str, _UpToDate] = {}
+    for module in STEPS:
+        checks[module.NAME] = _UpToDate(bake, module, done, checks)
     for module in STEPS:
         yield {
             "basename": GROUP,
@@ -112,7 +128,7 @@ def doit_tasks(bake: Bake, done: Outcome):
             "actions": [(action, [bake, done, module])],
             "file_dep": [str(folder.stamp(d)) for d in DEPS[module.NAME]],
             "targets": [str(folder.stamp(module.NAME))],
-            "uptodate": [_UpToDate(bake, module)],
+            "uptodate": [checks[module.NAME]],
             # `doit clean` removes the stamps only: outputs stay (checkpoints are expensive)
             "clean": [(remove_stamp, [bake, module])],
             "verbosity": 2,

@@ -40,7 +40,8 @@ from pathlib import Path
 from ..errors import BaseModelError
 from ..hashing import HashCache, hash_bytes
 
-__all__ = ["ALIASES", "BaseSpec", "WheelGGUF", "parse_base", "pin_base", "gguf_hash", "check_folder", "folder_fix"]
+__all__ = ["ALIASES", "BaseSpec", "WheelGGUF", "parse_base", "pin_base", "gguf_hash", "check_folder", "folder_fix",
+           "has_chat_template"]
 
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")
@@ -212,6 +213,18 @@ def check_folder(folder: Path, source: str) -> Path:
             "save the model's tokenizer into it (tokenizer.save_pretrained(folder))"
         )
     return folder
+
+
+def has_chat_template(folder: Path) -> bool:
+    """Whether a Hugging Face folder's tokenizer has a chat template: ``chat_template.jinja``
+    (or ``chat_template.json``), or ``chat_template`` in tokenizer_config.json. Reads those
+    small files only (no transformers)."""
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def folder_fix() -> str:

@@ -45,32 +45,69 @@ def _duration(seconds: float) -> str:
 
 
 def follow(run: Followed, poll: float = 0.5, show: bool = True, out=None) -> str:
-    """Follow `run` until it is no longer active; return its final state."""
+    """Follow `run` until it is no longer active; return its final state.
+
+    Each step of the graph gets a line when it starts (``split: not done yet``), on a
+    terminal and in a pipe alike; training then gets a bar on a terminal (its total from
+    this attempt's step count) and a line per step elsewhere. Nothing is shown of an
+    earlier attempt: steps only once this attempt's training is under way."""
     from ..journal import ACTIVE
 
     out = out or sys.stderr
-    bar = None
-    shown_step = -1
+    shown = _Shown(out, show)
     try:
         while True:
             p = run.progress()
-            state = p["state"]
-            if show and p.get("steps"):
-                if out.isatty():
-                    bar = bar or _bar(p["steps"], out)
-                    bar.n = p["step"]
-                    bar.set_description_str(state)
-                    bar.set_postfix_str(describe({**p, "state": ""}).replace(f"step {p['step']}/{p['steps']}", "").strip())
-                    bar.refresh()
-                elif p["step"] != shown_step:
-                    print(describe(p), file=out, flush=True)
-            shown_step = p["step"]
+            state, stages = p["state"], p["stages"]
+            if shown.step == -1 and state not in ACTIVE:
+                shown.stages = len(stages)  # an attempt that has ended: not told again
+            for name, why in stages[shown.stages:]:
+                if shown.training:  # training is over: its last step, then the next stage
+                    shown.steps(p)
+                    shown.end_training()
+                shown.say(f"{name}: {why}")
+                shown.training = name == "train"
+            shown.stages = len(stages)
+            if shown.training and p["step"] > 0 and p.get("steps"):
+                shown.steps(p)
+            shown.step = max(shown.step, 0)
             if state not in ACTIVE and state != "planned":
                 return state
             time.sleep(poll)
     finally:
-        if bar is not None:
-            bar.close()
+        shown.end_training()
+
+
+class _Shown:
+    """What `follow` has shown so far, and how: a bar on a terminal, lines elsewhere."""
+
+    def __init__(self, out, show: bool):
+        self.out, self.show = out, show
+        self.step, self.stages, self.training, self.bar = -1, 0, False, None
+
+    def say(self, line: str) -> None:
+        if self.show:
+            print(line, file=self.out, flush=True)
+
+    def steps(self, p: dict) -> None:
+        if not self.show or p["step"] <= 0:
+            return
+        if self.out.isatty():
+            self.bar = self.bar or _bar(p["steps"], self.out)
+            self.bar.total = p["steps"]  # this attempt's, whatever the bar began with
+            self.bar.n = p["step"]
+            self.bar.set_description_str(p["state"])
+            self.bar.set_postfix_str(describe({**p, "state": ""}).replace(f"step {p['step']}/{p['steps']}", "").strip())
+            self.bar.refresh()
+        elif p["step"] != self.step:
+            print(describe(p), file=self.out, flush=True)
+        self.step = p["step"]
+
+    def end_training(self) -> None:
+        self.training = False
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def _bar(total: int, out):

@@ -46,8 +46,23 @@ class Run:
 
     @property
     def status(self) -> dict:
-        """run.json, with a process that ended without saying so shown as such."""
-        return journal.status(self.folder)
+        """run.json, with a process that ended without saying so shown as such; a Slurm job
+        that goes on without it is shown as what Slurm says it is."""
+        data = journal.status(self.folder)
+        job = data.get("slurm_job")
+        if data.get("reason") == journal.DIED and job:
+            from ..where.slurm import job_state
+
+            there = job_state(job)
+            if there is not None and there.in_queue:
+                state = "queued" if there.state == "PENDING" else "running"
+                data = {**data, "state": state,
+                        "reason": f"Slurm job {job} is {there.state} ({there.reason}); nothing here follows it: "
+                                  "bake again to follow it and take up its result"}
+            elif there is not None:
+                data = {**data, "reason": f"{journal.DIED}; its Slurm job {job} ended {there.state}: bake again "
+                                          "to take up its result"}
+        return data
 
     @property
     def state(self) -> str:
@@ -207,12 +222,14 @@ class Run:
         return "\n".join(text.splitlines()[-lines:])
 
     def progress(self) -> dict:
-        """Where it is now: state, step of steps, the last loss and eval loss, seconds so
-        far and eta (seconds left, from the pace of the last steps)."""
+        """Where it is now: state, the step of the graph under way (`task`; `stages`: each
+        step this attempt began, and why), step of steps, the last loss and eval loss,
+        seconds so far and eta (seconds left, from the pace of the last steps)."""
         status = self.status
         records = [r for r in self.records() if "step" in r]
         steps = status.get("steps") or _steps_from_config(self.folder.config)
-        out = {"state": status["state"], "step": 0, "steps": steps, "loss": None, "eval_loss": None,
+        out = {"state": status["state"], "task": status.get("task"), "stages": status.get("stages") or [],
+               "step": 0, "steps": steps, "loss": None, "eval_loss": None,
                "seconds": 0.0, "eta": None, "tokens_per_second": None}
         if records:
             last = records[-1]
@@ -320,7 +337,7 @@ def launch(bake) -> subprocess.Popen:
 
 def runs(root: str | os.PathLike | None = None) -> list[Run]:
     """Every run under the runs folder, by name."""
-    root = Path(root).absolute() if root else runs_root()
+    root = runs_root(root)
     if not root.is_dir():
         return []
     return [Run(p) for p in sorted(root.iterdir()) if RunFolder(p).plan_json.is_file() or RunFolder(p).run_json.is_file()]

@@ -102,6 +102,7 @@ def execute(bake: Bake, module: ModuleType) -> bool:
     # whatever its partial outputs look like
     stamp_path.unlink(missing_ok=True)
     bake.say(f"{module.NAME}: {status.reason}")
+    bake.tell(task=module.NAME, why=status.reason)  # a follower's line: this step begins, and why
     bake.validate()
     out = module.run(bake, status.inputs)
     from ..stamps import manifest

@@ -280,9 +280,18 @@ def _template_keeps_thinking(base_folder: Path) -> bool:
 
 
 def run(bake: Bake, inputs: dict) -> Outputs:
+    from ..errors import BaseModelError
     from ..formats import check_formats
+    from ..inputs.base_model import has_chat_template
 
     train = bake.plan.train
+    if not has_chat_template(Path(inputs["base_folder"])):
+        # training renders each conversation with it: refuse now, not at the train step
+        raise BaseModelError(
+            f"base: {bake.plan.base!r} has no chat template (no chat_template in its tokenizer_config.json, "
+            "no chat_template.jinja), and conversations are trained through one; use an instruct or chat "
+            "model as the base, or add a chat_template.jinja to its folder"
+        )
     # what bake.formats asks must be possible for this model before anything trains
     # (the train step asks again: the formats may change while config stays done)
     check_formats(list(bake.plan.bake.formats), json.loads((Path(inputs["base_folder"]) / "config.json").read_text()),

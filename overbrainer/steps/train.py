@@ -1,5 +1,9 @@
 """Train: run the trainer in its own process, from the last checkpoint of this fingerprint.
 
+While it trains, this process follows ``metrics.jsonl``: each new line is shown, mirrored to
+the trackers the plan reports to (``trackers/``), and at each new checkpoint the run folder's
+``loss.png`` is drawn again, so a long run has a picture while it runs.
+
 Checkpoints made under another fingerprint (an older learning rate, other data) are moved
 to ``attic/`` before training starts, never deleted: a trained model is expensive.
 """
@@ -50,11 +54,15 @@ def inputs(bake: Bake) -> dict:
     # than by where the cache put it: a cache moved elsewhere retrains nothing
     cfg["base_model"] = outputs_digest(base)
     # the world size changes the arithmetic (gradients are all-reduced): exact per size
-    # (nodes too: the world is processes x nodes)
-    world = {"processes": bake.plan.train.processes}
-    if bake.plan.train.nodes > 1:
-        world["nodes"] = bake.plan.train.nodes
-    return {"config": cfg, "examples": outputs_digest(split), **world}
+    out = {"config": cfg, "examples": outputs_digest(split), "processes": bake.plan.train.processes}
+    # so does the number of nodes (read from the JSON form: the up-to-date check has the
+    # remembered plan, without pydantic)
+    where = bake.plan.where
+    slurm = None if isinstance(where, str) else where.model_dump(mode="json").get("slurm")
+    nodes = slurm["nodes"] if slurm else bake.plan.train.nodes  # torchrun's rendezvous across machines
+    if nodes > 1:
+        out["nodes"] = nodes
+    return out
 
 
 def run(bake: Bake, inputs: dict) -> Outputs:
@@ -65,6 +73,10 @@ def run(bake: Bake, inputs: dict) -> Outputs:
     check_formats(list(bake.plan.bake.formats), json.loads((base_folder / "config.json").read_text()),
                   bake.plan.train.adapter)
     fp = fingerprint(NAME, VERSION, inputs)
+    if bake.plan.report_to:
+        from ..trackers import require
+
+        require(list(bake.plan.report_to))  # before training, in one line
     set_aside_other_runs(folder.root, folder.checkpoints, fp)
     max_steps = inputs["config"]["max_steps"]
     code = launch(bake, fp, max_steps)
@@ -115,7 +127,7 @@ def set_aside_other_runs(run_dir: Path, checkpoints: Path, fp: str) -> None:
 
 
 def launch(bake: Bake, fp: str, max_steps: int) -> int:
-    """Run the trainer's job where the plan says, printing its metric lines as they come."""
+    """Run the trainer's job where the plan says, following its metrics as they come."""
     from ..trainers import NoTrainingData, get_trainer
     from ..where import target_for
     from ..where.bundle import Base
@@ -125,43 +137,99 @@ def launch(bake: Bake, fp: str, max_steps: int) -> int:
     own = dict(nodes=train.nodes, rendezvous=train.rendezvous, run_id=bake.plan.name,
                deterministic=train.deterministic) if train.trainer == "builtin" else {}
     trainer = get_trainer(train.trainer, processes=train.processes, **own)
-    seen = [_line_count(folder.metrics)]
-
-    def poll() -> None:
-        seen[0] = _report_new_lines(bake, folder.metrics, seen[0], max_steps)
-
+    follower = Follower(bake, max_steps, fp)
     # where the plan says: here, an exported bundle, or another machine over ssh
     base = Base.from_stamp(upstream(bake, "base"))
-    target = target_for(bake.plan.where, base, bake.hashes, bake.plan_dir, say=bake.say, shown=bake.shown)
+    target = target_for(bake.plan.where, base, bake.hashes, bake.plan_dir, say=bake.say, shown=bake.shown,
+                        tell=bake.tell, processes=bake.plan.train.processes)
     bake.tell(state="running", steps=max_steps, where=target.where)
+    code = None
     try:
-        return target.run(trainer, folder.root, {"OVERBRAINER_FINGERPRINT": fp}, folder.log, poll)
+        code = target.run(trainer, folder.root, {"OVERBRAINER_FINGERPRINT": fp}, folder.log, follower.poll)
+        return code
     except NoTrainingData as e:
         raise OverbrainerError(str(e)) from None
     finally:
-        poll()
+        follower.poll()
+        follower.close(finished=code == 0 and not folder.stopped_marker.exists())
 
 
-def _report_new_lines(bake: Bake, metrics: Path, seen: int, max_steps: int) -> int:
+class Follower:
+    """What the bake does with the trainer's output as it comes: each new metrics line shown
+    and mirrored to the trackers, and at each new checkpoint the loss curve drawn again and
+    the checkpoint handed to the trackers."""
+
+    def __init__(self, bake: Bake, max_steps: int, fp: str):
+        self.bake, self.max_steps = bake, max_steps
+        folder = bake.folder
+        self.seen = _line_count(folder.metrics)
+        self.checkpoints = {p.name for _, p in ckpt.complete(folder.checkpoints)}
+        self.mirror = None
+        if bake.plan.report_to:
+            from ..trackers import Mirror
+
+            self.mirror = Mirror(list(bake.plan.report_to), folder, fp, bake.plan.model_dump(mode="json"), bake.say)
+            if self.seen:  # lines a bake that died wrote before it could mirror them
+                self.mirror.lines(_read_lines(folder.metrics, 0)[0])
+
+    def poll(self) -> None:
+        lines, self.seen = _read_lines(self.bake.folder.metrics, self.seen)
+        for m in lines:
+            _show(self.bake, m, self.max_steps)
+        if self.mirror and lines:
+            self.mirror.lines(lines)
+        done = ckpt.complete(self.bake.folder.checkpoints)
+        new = [p for _, p in done if p.name not in self.checkpoints]
+        if new:
+            self.checkpoints.update(p.name for p in new)
+            draw_loss(self.bake.folder)
+            for path in new:
+                if self.mirror:
+                    self.mirror.checkpoint(path)
+
+    def close(self, finished: bool) -> None:
+        if self.mirror:
+            self.mirror.close(finished)
+
+
+def draw_loss(folder: RunFolder) -> None:
+    """The run folder's loss.png, from metrics.jsonl as it is now (replaced whole)."""
+    import io
+
+    from ..formats.card import plot_loss, read_metrics
+    from ..fsio import write_atomic
+
+    buf = io.BytesIO()
+    plot_loss(read_metrics(folder.metrics), buf, title=folder.name)
+    write_atomic(folder.loss_plot, buf.getvalue(), durable=False)  # a picture
+
+
+def _read_lines(metrics: Path, seen: int) -> tuple[list[dict], int]:
+    """The complete lines of metrics.jsonl after the first `seen`, and the new count."""
     try:
-        lines = metrics.read_text().splitlines()
+        raw = metrics.read_text().splitlines()
     except OSError:
-        return seen
-    if len(lines) < seen:  # truncated by a resume
-        seen = len(lines)
-    for raw in lines[seen:]:
+        return [], seen
+    if len(raw) < seen:  # truncated by a resume
+        seen = len(raw)
+    out = []
+    for text in raw[seen:]:
         try:
-            m = json.loads(raw)
+            m = json.loads(text)
         except ValueError:
             break  # a line still being written
         seen += 1
-        if "step" not in m:
-            continue  # a stage event
-        bake.tell(step=m["step"])
-        rate = m["tokens"] / max(m["seconds"], 1e-9)
-        ev = f"  eval {m['eval_loss']:.4f}" if m.get("eval_loss") is not None else ""
-        bake.say(f"  step {m['step']}/{max_steps}  loss {m['loss']:.4f}{ev}  lr {m['lr']:.2e}  {rate:.0f} tok/s  {m['phase']}")
-    return seen
+        out.append(m)
+    return out, seen
+
+
+def _show(bake: Bake, m: dict, max_steps: int) -> None:
+    if "step" not in m:
+        return  # a stage event
+    bake.tell(step=m["step"])
+    rate = m["tokens"] / max(m["seconds"], 1e-9)
+    ev = f"  eval {m['eval_loss']:.4f}" if m.get("eval_loss") is not None else ""
+    bake.say(f"  step {m['step']}/{max_steps}  loss {m['loss']:.4f}{ev}  lr {m['lr']:.2e}  {rate:.0f} tok/s  {m['phase']}")
 
 
 def _line_count(path: Path) -> int:

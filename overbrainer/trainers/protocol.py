@@ -22,7 +22,7 @@ class NoTrainingData(Exception):
 
     def __init__(self, path: Path):
         self.path = path
-        super().__init__(f"{path} has no example: run the split step first (`overbrainer bake PLAN`)")
+        super().__init__(f"{path} has no example: run `overbrainer split PLAN` first (or `overbrainer bake PLAN`)")
 
 
 @dataclass(frozen=True)

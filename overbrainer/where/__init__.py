@@ -13,6 +13,7 @@ moves the job there and ``receive.py`` its artifacts back, verified.
 ``here.py``     `Here`
 ``export.py``   `Export`, `Exported`
 ``ssh.py``      `SSH`
+``slurm.py``    `Slurm`: a batch job on a cluster that shares the run folder
 ``bundle.py``   a job folder, staged from the run folder; a bundle
 ``receive.py``  a result brought back into the run folder, verified
 
@@ -69,8 +70,10 @@ class Target(Protocol):
 
 
 def target_for(where, base: Base, hashes: HashCache, plan_dir: Path,
-               say: Callable[[str], None] = print, shown: Callable[[Path], str] = str) -> Target:
-    """The target a plan's ``where`` names: "here", "export" or an SSHTarget."""
+               say: Callable[[str], None] = print, shown: Callable[[Path], str] = str,
+               tell: Callable[..., None] = lambda **fields: None, processes: int = 1) -> Target:
+    """The target a plan's ``where`` names: "here", "export", an SSHTarget or a
+    SlurmTarget (`tell` records its job in run.json; `processes` per node)."""
     if where == "here":
         from .here import Here
 
@@ -79,6 +82,12 @@ def target_for(where, base: Base, hashes: HashCache, plan_dir: Path,
         from .export import Export
 
         return Export(base, hashes, shown)
+    from ..plan import SlurmTarget
+
+    if isinstance(where, SlurmTarget):
+        from .slurm import Slurm
+
+        return Slurm(where.slurm, processes, say, tell)
     from .ssh import SSH
 
     return SSH(where, base, hashes, plan_dir, say)

@@ -1,0 +1,180 @@
+"""`overbrainer serve`: a local web page over the runs folder (Starlette on uvicorn).
+
+Imported only by the ``serve`` command: nothing else pays for Starlette or uvicorn.
+
+Pages and endpoints (every ``{name}`` is a run folder's name, checked against the names
+under the runs folder: nothing outside it can be reached, ``../`` and encoded variants
+included)::
+
+    GET  /                          the runs: state, progress, loss, settings; tick several to
+                                    overlay their loss and validation curves
+    GET  /run/{name}                one run: live loss / eval loss / lr curves (polled each
+                                    second, phases shaded), checkpoints, log tail, stop/resume
+    GET  /api/runs                  [{"name", "state", "step", "steps", "loss", "eval_loss", "settings"}]
+    GET  /api/runs/{name}           {"status", "progress", "checkpoints": [{"step", "phase", "decayed"}], "log"}
+    GET  /api/runs/{name}/metrics   {"lines": [metrics.jsonl lines with a step]}
+    POST /api/runs/{name}/stop      ask it to stop        } need the header X-Overbrainer-Token
+    POST /api/runs/{name}/resume    resume it             } (this start's token) and no other Origin
+    GET  /static/{file}             the vendored uPlot (MIT; see static/uPlot.LICENSE)
+
+The token is made at each start and written into the pages this server serves; a page of
+another origin can neither read it nor pass the Origin check.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+import secrets
+import socket
+import sys
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from ..errors import OverbrainerError
+from ..folder import RunFolder
+from ..runtime.run import Run, runs
+
+__all__ = ["app", "serve", "PortTaken"]
+
+STATIC = Path(__file__).parent / "static"
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+class PortTaken(OverbrainerError):
+    """The port asked for is in use."""
+
+
+def app(root: Path, token: str) -> Starlette:
+    root = root.absolute()
+
+    def run_of(request: Request) -> Run | None:
+        name = request.path_params["name"]
+        if not NAME.match(name) or ".." in name:
+            return None
+        path = root / name
+        # the name is one of the runs folder's own entries, nothing resolved elsewhere
+        if path.parent != root or not path.is_dir() or path.resolve().parent != root.resolve():
+            return None
+        if not (RunFolder(path).plan_json.is_file() or RunFolder(path).run_json.is_file()):
+            return None
+        return Run(path)
+
+    def allowed(request: Request) -> str | None:
+        """Why an action is refused, or None."""
+        if not secrets.compare_digest(request.headers.get("x-overbrainer-token", ""), token):
+            return "missing or wrong token"
+        origin = request.headers.get("origin")
+        if origin and origin != f"{request.url.scheme}://{request.url.netloc}":
+            return "cross-origin request"
+        if request.headers.get("sec-fetch-site") not in (None, "same-origin", "none"):
+            return "cross-site request"
+        return None
+
+    def summary(run: Run) -> dict:
+        progress = run.progress()
+        try:
+            plan = json.loads(run.folder.plan_json.read_text())
+        except (OSError, ValueError):
+            plan = {}
+        train = plan.get("train") or {}
+        settings = {k: train.get(k) for k in ("learning_rate", "steps", "micro_batch_size", "lora_r", "adapter")
+                    if train.get(k) is not None}
+        return {"name": run.name, **{k: progress[k] for k in ("state", "step", "steps", "loss", "eval_loss")},
+                "settings": settings}
+
+    async def list_runs(request: Request) -> JSONResponse:
+        return JSONResponse([summary(r) for r in runs(root)])
+
+    async def one_run(request: Request) -> Response:
+        run = run_of(request)
+        if run is None:
+            return JSONResponse({"error": "no such run"}, 404)
+        from ..trainers import checkpoint as ckpt
+
+        points = []
+        for step, path in ckpt.complete(run.folder.checkpoints):
+            meta = ckpt.read_meta(path)
+            points.append({"step": step, "phase": meta.get("phase"), "decayed": meta.get("decayed")})
+        return JSONResponse({"status": run.status, "progress": run.progress(), "checkpoints": points,
+                             "log": run.log(30)})
+
+    async def metrics(request: Request) -> Response:
+        run = run_of(request)
+        if run is None:
+            return JSONResponse({"error": "no such run"}, 404)
+        return JSONResponse({"lines": [r for r in run.records() if "step" in r]})
+
+    async def action(request: Request) -> Response:
+        why = allowed(request)
+        if why:
+            return JSONResponse({"error": why}, 403)
+        run = run_of(request)
+        if run is None:
+            return JSONResponse({"error": "no such run"}, 404)
+        what = request.url.path.rsplit("/", 1)[-1]
+        try:
+            if what == "stop":
+                state = run.stop(wait=False) if run.state in ("starting", "running", "stopping") else run.state
+            else:
+                state = run.resume().state if run.state != "done" else "done"
+        except OverbrainerError as e:
+            return JSONResponse({"error": str(e)}, 409)
+        return JSONResponse({"state": state})
+
+    async def index(request: Request) -> HTMLResponse:
+        return HTMLResponse(_page("runs", "", token))
+
+    async def run_page(request: Request) -> HTMLResponse:
+        run = run_of(request)
+        if run is None:
+            return HTMLResponse("no such run", 404)
+        return HTMLResponse(_page(run.name, run.name, token))
+
+    return Starlette(routes=[
+        Route("/", index),
+        Route("/run/{name}", run_page),
+        Route("/api/runs", list_runs),
+        Route("/api/runs/{name}", one_run),
+        Route("/api/runs/{name}/metrics", metrics),
+        Route("/api/runs/{name}/stop", action, methods=["POST"], name="stop"),
+        Route("/api/runs/{name}/resume", action, methods=["POST"], name="resume"),
+        Mount("/static", StaticFiles(directory=STATIC)),
+    ])
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, or PortTaken in one line."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise PortTaken(f"cannot listen on {host}:{port} ({e.strerror}); pick another with --port") from None
+    sock.listen(64)
+    return sock
+
+
+def serve(root: Path, host: str = "127.0.0.1", port: int = 8765) -> None:
+    import uvicorn
+
+    sock = bind(host, port)
+    token = secrets.token_urlsafe(24)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: serving on {host}: anyone who can reach this machine sees the runs "
+              "(actions still need the page's token)", file=sys.stderr)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"serving {root} on http://{shown}:{sock.getsockname()[1]}/  (ctrl-c ends it)", flush=True)
+    config = uvicorn.Config(app(root, token), log_level="warning", lifespan="off")
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _page(title: str, run: str, token: str) -> str:
+    return (STATIC / "page.html").read_text().replace("{{title}}", html.escape(title)).replace(
+        "{{config}}", html.escape(json.dumps({"run": run, "token": token})))

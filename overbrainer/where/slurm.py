@@ -1,0 +1,319 @@
+"""The slurm target: the train step as a Slurm batch job, the run folder on a filesystem the
+cluster shares (the job reads and writes it where it is: nothing is sent or brought back).
+
+In the run folder::
+
+    job.sh                   the batch script: ``#SBATCH`` lines from where.slurm, then this
+                             module's `job_main` (``python -m overbrainer.where.slurm job RUN``)
+    slurm/job.json           what the job runs: the trainer's commands (across nodes: ``srun
+                             torchrun`` meeting on the first node of $SLURM_JOB_NODELIST), its
+                             environment, stages, metrics file and stop marker
+    slurm/submitted.json     the jobs submitted for this run: {"fingerprint", "jobs": [id, ...]}
+    slurm/end-<id>.json      how a job's commands ended: {"job", "exit", "signal", "ended"}
+    slurm/<id>.out           Slurm's own output of the job (the trainer's goes to log.txt)
+
+The job is submitted with ``sbatch --parsable``; its id goes into run.json (``slurm_job``).
+This side follows it every `poll_s` seconds (``$OVERBRAINER_SLURM_POLL``, default 5): its
+state from ``squeue``, then ``scontrol show job`` once it has left the queue, else
+``sacct``. A pending job is ``queued`` with Slurm's reason; a job that ended FAILED,
+NODE_FAIL, TIMEOUT, OUT_OF_MEMORY, CANCELLED, PREEMPTED... fails the train step with
+that state. A stop is the run's ``stop`` file, which the trainer sees on the shared
+filesystem (a job still pending is cancelled instead). ``--signal=B:USR1@<grace>``: on the
+warning before its time limit the job writes the stop file itself, the trainer saves a
+checkpoint and ends, and this side submits the next job, which goes on from it. A
+requeued job (``"requeue": true``, preemption) runs job.sh again and goes on the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import OverbrainerError, RunFailed
+from ..folder import RunFolder
+from ..portable.common import now, read_json, write_json
+from ..trainers.protocol import Trainer
+from .bundle import FINGERPRINT_ENV
+
+if TYPE_CHECKING:
+    from ..plan import SlurmSettings
+
+__all__ = ["Slurm", "JobState", "job_state", "job_main", "job_script"]
+
+IN_QUEUE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
+            "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD")
+RENDEZVOUS_PORT = 29500
+_SUBMITTED = "submitted.json"
+_JOB = "job.json"
+
+
+class JobState(tuple):
+    """(state, reason) as Slurm says them: ("PENDING", "Resources"), ("COMPLETED", "None")."""
+
+    state = property(lambda self: self[0])
+    reason = property(lambda self: self[1])
+
+    @property
+    def in_queue(self) -> bool:
+        return self.state in IN_QUEUE
+
+
+def _slurm(argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def job_state(job: str) -> JobState | None:
+    """A job's state: squeue while it is in the queue, then scontrol (which keeps a job for
+    MinJobAge seconds), then sacct where accounting is on; None when none knows it."""
+    try:
+        out = _slurm(["squeue", "-h", "-j", job, "-o", "%T|%r"])
+        line = out.stdout.strip().splitlines()
+        if out.returncode == 0 and line and "|" in line[0]:
+            return JobState(line[0].split("|", 1))
+        out = _slurm(["scontrol", "-o", "show", "job", job])
+        if out.returncode == 0 and "JobState=" in out.stdout:
+            fields = dict(f.split("=", 1) for f in out.stdout.split() if "=" in f)
+            return JobState((fields["JobState"], fields.get("Reason", "None")))
+        out = _slurm(["sacct", "-n", "-X", "-P", "-j", job, "-o", "State,Reason"])
+        line = out.stdout.strip().splitlines()
+        if out.returncode == 0 and line and "|" in line[0]:
+            state, reason = line[0].split("|", 1)
+            return JobState((state.split()[0], reason or "None"))  # "CANCELLED by 0"
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return None
+
+
+def _one_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "no message"
+
+
+def job_script(run_dir: Path, name: str, settings: SlurmSettings, python: str = sys.executable) -> str:
+    """job.sh for a run folder: the plan's settings as #SBATCH lines, then the job."""
+    slurm = RunFolder(run_dir).slurm
+    lines = ["#!/bin/bash", f"#SBATCH --job-name=overbrainer-{name}", f"#SBATCH --output={slurm}/%j.out",
+             "#SBATCH --open-mode=append", f"#SBATCH --signal=B:USR1@{settings.grace}",
+             f"#SBATCH --nodes={settings.nodes}", "#SBATCH --ntasks-per-node=1"]
+    for option, value in (("partition", settings.partition), ("time", settings.time), ("account", settings.account),
+                          ("qos", settings.qos), ("gpus-per-node", settings.gpus_per_node),
+                          ("cpus-per-task", settings.cpus_per_task)):
+        if value is not None:
+            lines.append(f"#SBATCH --{option}={value}")
+    lines.append("#SBATCH --requeue" if settings.requeue else "#SBATCH --no-requeue")
+    lines += [f"#SBATCH {option}" for option in settings.sbatch]
+    lines += [
+        "# torchrun on every node meets on the first node of the job",
+        'export OVERBRAINER_RDZV="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
+        f':{RENDEZVOUS_PORT}"',
+        f"cd {shlex.quote(str(run_dir))}",
+        f"exec {shlex.quote(python)} -m overbrainer.where.slurm job {shlex.quote(str(run_dir))}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def across_nodes(commands: list[list[str]], nodes: int, per_node: int) -> list[list[str]]:
+    """The built-in trainer's training command as ``srun torchrun`` on `nodes` nodes,
+    `per_node` processes each, meeting at $OVERBRAINER_RDZV (job.sh sets it); one node:
+    the commands as they are (torchrun --standalone when several processes)."""
+    if nodes == 1:
+        return commands
+    out = []
+    for command in commands:
+        if command[-3:-1] == ["-m", "overbrainer.trainers.builtin"]:
+            command = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", sys.executable, "-m",
+                       "torch.distributed.run", "--nnodes=${SLURM_NNODES}", f"--nproc-per-node={per_node}",
+                       "--rdzv-backend=c10d", "--rdzv-endpoint=${OVERBRAINER_RDZV}", "--rdzv-id=${SLURM_JOB_ID}",
+                       *command[-3:]]
+        out.append(command)
+    return out
+
+
+class Slurm:
+    """Run the job as a Slurm batch job (see the module docstring)."""
+
+    name = "slurm"
+
+    def __init__(self, settings: SlurmSettings, processes: int = 1, say: Callable[[str], None] = print,
+                 tell: Callable[..., None] = lambda **fields: None):
+        self.settings, self.processes, self.say, self.tell = settings, processes, say, tell
+        self.poll_s = float(os.environ.get("OVERBRAINER_SLURM_POLL") or 5)
+
+    @property
+    def where(self) -> str:
+        return f"slurm:{self.settings.partition}" if self.settings.partition else "slurm"
+
+    def note(self, log: Path, message: str) -> None:
+        self.say(f"train: {message}")
+        with open(log, "a") as f:
+            f.write(f"--- {now()} {message}\n")
+
+    def run(self, trainer: Trainer, run_dir: Path, env: dict[str, str], log: Path,
+            poll: Callable[[], None] = lambda: None) -> int:
+        if shutil.which("sbatch") is None:
+            raise OverbrainerError("train: the plan asks for Slurm (where.slurm) but there is no sbatch on the PATH; "
+                                   "bake on a machine of the cluster (a login node), or change where")
+        run_dir = Path(run_dir)
+        folder = RunFolder(run_dir)
+        fp = env[FINGERPRINT_ENV]
+        trainer.prepare(run_dir, str(run_dir))
+        submitted = read_json(folder.slurm / _SUBMITTED) or {}
+        jobs = submitted.get("jobs", []) if submitted.get("fingerprint") == fp else []
+        job = jobs[-1] if jobs else None
+        state = job_state(job) if job else None
+        end = read_json(folder.slurm / f"end-{job}.json") if job else None
+        if state is not None and state.in_queue:
+            self.note(log, f"following Slurm job {job}, {state.state.lower()}")
+        elif (state is not None and state.state == "COMPLETED" and end and end["exit"] == 0 and not end["signal"]
+              and not folder.stopped_marker.exists()):  # a job that stopped early is gone on by a new one
+            self.note(log, f"Slurm job {job} had ended well while nothing here followed it: taking it up")
+        else:
+            job = self.submit(trainer, folder, fp, env, jobs)
+        while True:
+            self.tell(slurm_job=job)
+            outcome = self.follow(job, folder, log, poll)
+            if outcome != "again":
+                return outcome
+            jobs = read_json(folder.slurm / _SUBMITTED)["jobs"]
+            job = self.submit(trainer, folder, fp, env, jobs)
+
+    def submit(self, trainer: Trainer, folder: RunFolder, fp: str, env: dict[str, str], jobs: list[str]) -> str:
+        """Write job.sh and slurm/job.json, sbatch it; the job id. Slurm's refusal is one
+        line, with nothing of it left behind."""
+        folder.slurm.mkdir(exist_ok=True)
+        name = folder.name
+        spec = {
+            "commands": across_nodes(trainer.commands(), self.settings.nodes, self.processes),
+            "env": {**trainer.env(str(folder.root)), **env},
+            "metrics_file": trainer.metrics_file(), "stages": trainer.stages(), "stop_marker": trainer.stop_marker(),
+            "metrics_required": trainer.metrics_required(),
+        }
+        write_json(folder.slurm / _JOB, spec)
+        tmp = folder.root / f".{folder.job_sh.name}.tmp"
+        tmp.write_text(job_script(folder.root, name, self.settings))
+        os.replace(tmp, folder.job_sh)
+        try:
+            out = _slurm(["sbatch", "--parsable", str(folder.job_sh)])
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise OverbrainerError(f"train: sbatch did not answer ({e}); check the cluster (`sinfo`)") from None
+        if out.returncode != 0 or not out.stdout.strip():
+            folder.job_sh.unlink(missing_ok=True)
+            (folder.slurm / _JOB).unlink(missing_ok=True)
+            raise OverbrainerError(f"train: Slurm refused the job: {_one_line(out.stderr or out.stdout)} "
+                                   "(check where.slurm in the plan)")
+        job = out.stdout.strip().split(";")[0]  # "id;cluster" on a federation
+        write_json(folder.slurm / _SUBMITTED, {"fingerprint": fp, "jobs": [*jobs, job]})
+        self.tell(slurm_job=job)
+        return job
+
+    def follow(self, job: str, folder: RunFolder, log: Path, poll: Callable[[], None]) -> int | str:
+        """Follow the job until it leaves the queue: its exit code, or "again" when it ended
+        on Slurm's warning signal (its time limit) and the next job must go on."""
+        told = None
+        missing = 0
+        while True:
+            poll()
+            state = job_state(job)
+            if state is None:
+                missing += 1
+                if missing >= 3:
+                    break
+            elif state.in_queue:
+                missing = 0
+                if folder.stop_request.exists() and state.state == "PENDING":
+                    _slurm(["scancel", job])
+                    self.note(log, f"cancelled Slurm job {job}, still pending, on request")
+                    return self.stopped_before_start(folder)
+                shown = ("queued", f"Slurm: {state.reason}") if state.state == "PENDING" else ("running", None)
+                if shown != told:
+                    self.tell(state=shown[0], reason=shown[1])
+                    if shown[0] == "queued":
+                        self.note(log, f"Slurm job {job} is pending ({state.reason})")
+                    told = shown
+            else:
+                break
+            time.sleep(self.poll_s)
+        end = read_json(folder.slurm / f"end-{job}.json")
+        ended = state.state if state else "gone"
+        if ended != "COMPLETED" and not (ended == "gone" and end is not None):
+            reason = "" if state is None or state.reason in ("None", "") else f" ({state.reason})"
+            if ended == "gone":
+                ended = "without a trace (squeue, scontrol and sacct do not know it)"
+            raise RunFailed(f"the Slurm job {job} ended {ended}{reason}; bake again to go on from its last checkpoint",
+                            log_tail=_tail(folder.slurm / f"{job}.out"))
+        if end is None:
+            raise RunFailed(f"the Slurm job {job} ended without running its commands; see {folder.slurm / f'{job}.out'}",
+                            log_tail=_tail(folder.slurm / f"{job}.out"))
+        if end.get("signal") and end["exit"] == 0 and not folder.stop_request.exists():
+            folder.stopped_marker.unlink(missing_ok=True)  # not a stop on request: the next job goes on
+            self.note(log, f"Slurm job {job} saved a checkpoint before its time limit; submitting the next")
+            return "again"
+        return end["exit"]
+
+    def stopped_before_start(self, folder: RunFolder) -> int:
+        """A stop while the job was still pending: stopped where its checkpoints are."""
+        from ..trainers import checkpoint as ckpt
+
+        done = ckpt.complete(folder.checkpoints)
+        write_json(folder.stopped_marker, {"step": done[-1][0] if done else 0, "steps": None})
+        return 0
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+# -- the job's side -----------------------------------------------------------------------
+
+
+def job_main(run_dir: Path) -> int:
+    """What job.sh runs in the job: the commands of slurm/job.json (``${VAR}`` in them
+    expanded from the job's environment), like every target runs them. On SIGUSR1 (Slurm's
+    warning before the time limit) or SIGTERM (scancel, preemption) it writes the run's
+    stop file: the trainer saves a checkpoint at its next step and ends."""
+    from ..portable.common import run_commands
+
+    folder = RunFolder(Path(run_dir))
+    job = read_json(folder.slurm / _JOB)
+    job_id = os.environ.get("SLURM_JOB_ID", "unknown")
+    got: list[int] = []
+
+    def warned(signum, frame):
+        got.append(signum)
+        if not folder.stop_request.exists():
+            folder.stop_request.write_text(f"slurm signal {signal.Signals(signum).name}\n")
+
+    signal.signal(signal.SIGUSR1, warned)
+    signal.signal(signal.SIGTERM, warned)
+    (folder.slurm / f"end-{job_id}.json").unlink(missing_ok=True)
+    commands = [[os.path.expandvars(arg) for arg in command] for command in job["commands"]]
+    code = run_commands(commands, folder.root, {**os.environ, **job["env"]}, folder.log,
+                        metrics_file=job["metrics_file"], stages=job["stages"], stop_marker=job["stop_marker"],
+                        metrics_required=job["metrics_required"])
+    try:
+        if got and folder.stop_request.read_text().startswith("slurm signal"):
+            folder.stop_request.unlink()  # the stop was Slurm's, not the user's
+    except OSError:
+        pass
+    write_json(folder.slurm / f"end-{job_id}.json",
+               {"job": job_id, "exit": code, "signal": signal.Signals(got[0]).name if got else None, "ended": now()})
+    return code
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "job":
+        print("usage: python -m overbrainer.where.slurm job RUN_DIR (what job.sh runs)", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(job_main(Path(sys.argv[2])))

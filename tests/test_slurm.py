@@ -1,0 +1,312 @@
+"""where: {"slurm": ...} against a real Slurm: Debian's slurm-wlm (slurmctld + slurmd) and
+munge, started here for one node "localhost" with this machine's CPUs, their state in a
+temp folder and their ports free ports of 127.0.0.1 (as root, as CI runs; .ci/run
+installs the packages). The tests skip only when the daemons cannot start, saying why.
+
+The run folder is on the filesystem the "cluster" shares (this machine's): a bake through
+Slurm ends with the same adapter weights and losses, bit for bit, as one here."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import cli, hold_at_step, release, stop_held
+
+STEPS = 24
+FINAL = f"checkpoints/step-{STEPS:06d}/adapter_model.safetensors"
+DAEMONS = ("munged", "slurmctld", "slurmd")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A one-node Slurm of this machine; yields its slurm.conf (tests set $SLURM_CONF)."""
+    missing = [d for d in DAEMONS if not (shutil.which(d) or Path(f"/usr/sbin/{d}").exists())]
+    if missing:
+        pytest.skip(f"Slurm cannot start: {', '.join(missing)} not installed (Debian: apt-get install slurm-wlm munge; "
+                    ".ci/run installs them)")
+    if os.geteuid() != 0:
+        pytest.skip("Slurm cannot start: the test starts slurmctld, slurmd and munged as root, as CI does")
+    d = tmp_path_factory.mktemp("slurm")
+    d.chmod(0o755)  # munge wants its socket's folder reachable
+    for sub in ("state", "spool", "log"):
+        (d / sub).mkdir()
+    key = d / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    conf = d / "slurm.conf"
+    conf.write_text("\n".join([
+        "ClusterName=overbrainer-test", "SlurmctldHost=localhost",
+        f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
+        "AuthType=auth/munge", f"AuthInfo=socket={d}/munge.sock", "CredType=cred/munge",
+        "SlurmUser=root", "SlurmdUser=root",
+        f"StateSaveLocation={d}/state", f"SlurmdSpoolDir={d}/spool",
+        f"SlurmctldPidFile={d}/slurmctld.pid", f"SlurmdPidFile={d}/slurmd.pid",
+        f"SlurmctldLogFile={d}/log/slurmctld.log", f"SlurmdLogFile={d}/log/slurmd.log",
+        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
+        "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "SchedulerType=sched/backfill",
+        "SchedulerParameters=sched_interval=1", "AccountingStorageType=accounting_storage/none",
+        "JobAcctGatherType=jobacct_gather/none", "JobCompType=jobcomp/none", "MpiDefault=none",
+        "ReturnToService=2", "KillWait=10", "MinJobAge=600", "InactiveLimit=0",
+        f"NodeName=localhost CPUs={os.cpu_count()} State=UNKNOWN",
+        "PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP", "",
+    ]))
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    pids = {"munged": d / "munged.pid", "slurmctld": d / "slurmctld.pid", "slurmd": d / "slurmd.pid"}
+    started = [
+        ["munged", "-f", f"--key-file={key}", f"--socket={d}/munge.sock", f"--pid-file={pids['munged']}",
+         f"--log-file={d}/log/munged.log", f"--seed-file={d}/munged.seed"],
+        ["slurmctld", "-i"],
+        ["slurmd", "-N", "localhost"],
+    ]
+    try:
+        for argv in started:
+            out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+            if out.returncode != 0:
+                pytest.skip(f"Slurm cannot start: {argv[0]} exited {out.returncode}: {out.stderr.strip()[-300:]}")
+        deadline = time.monotonic() + 60
+        while True:
+            out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True)
+            if out.returncode == 0 and out.stdout.strip() in ("idle", "mixed", "allocated"):
+                break
+            if time.monotonic() > deadline:
+                log = (d / "log" / "slurmctld.log").read_text()[-500:] if (d / "log" / "slurmctld.log").exists() else ""
+                pytest.skip(f"Slurm cannot start: its node is not up after 60 s ({out.stdout.strip()} "
+                            f"{out.stderr.strip()}) {log}")
+            time.sleep(0.2)
+        yield conf
+    finally:
+        for name in ("slurmd", "slurmctld", "munged"):
+            pid = _pid(pids[name])
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+
+@pytest.fixture
+def cluster(slurm, monkeypatch):
+    monkeypatch.setenv("SLURM_CONF", str(slurm))
+    monkeypatch.setenv("OVERBRAINER_SLURM_POLL", "0.3")
+    yield slurm
+    subprocess.run(["scancel", "--full", "--name=overbrainer-tiny"], check=False)
+
+
+def bake(plan: Path, *args: str, check: int | None = 0) -> dict:
+    proc = cli("bake", str(plan), "--json", *args, check=check)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def losses(folder: Path) -> list:
+    records = map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())
+    return [(m["step"], m["loss"], m.get("eval_loss")) for m in records if "step" in m]
+
+
+def run_json(folder: Path) -> dict:
+    return json.loads((folder / "run.json").read_text())
+
+
+def wait_for(what, timeout: float = 180, every: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def in_queue(job: str) -> bool:
+    out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True)
+    return bool(out.stdout.strip())
+
+
+_references: dict[str, Path] = {}
+
+
+@pytest.fixture
+def plan(project):
+    project.write(steps=STEPS)
+    return project
+
+
+@pytest.fixture
+def reference(plan, tmp_path_factory) -> Path:
+    key = json.dumps(plan.plan, sort_keys=True)
+    if key not in _references:
+        report = bake(plan.plan_path, "--runs", str(tmp_path_factory.mktemp("here")))
+        assert report["state"] == "done"
+        _references[key] = Path(report["folder"])
+    return _references[key]
+
+
+def on_slurm(project, **settings) -> Path:
+    project.plan["where"] = {"slurm": settings}
+    return project.write()
+
+
+def same_model(folder: Path, reference: Path) -> None:
+    assert (folder / FINAL).read_bytes() == (reference / FINAL).read_bytes()
+    assert losses(folder) == losses(reference)
+
+
+def test_slurm_bake_equals_here(plan, reference, cluster):
+    plan_path = on_slurm(plan, partition="debug", time="10:00", grace=30)
+    report = bake(plan_path)
+    assert report["state"] == "done", report
+    folder = Path(report["folder"])
+    same_model(folder, reference)
+    status = run_json(folder)
+    assert status["where"] == "slurm:debug" and status["slurm_job"]
+    script = (folder / "job.sh").read_text()
+    for line in ("#SBATCH --partition=debug", "#SBATCH --time=10:00", "#SBATCH --signal=B:USR1@30",
+                 "#SBATCH --nodes=1", "#SBATCH --no-requeue"):
+        assert line in script.splitlines()
+    end = json.loads((folder / "slurm" / f"end-{status['slurm_job']}.json").read_text())
+    assert end["exit"] == 0 and end["signal"] is None
+    assert bake(plan_path)["ran"] == []
+
+
+def test_a_pending_job_is_queued_with_its_reason_and_a_stop_cancels_it(plan, cluster):
+    plan_path = on_slurm(plan, cpus_per_task=64 * (os.cpu_count() or 1))  # more than the node has
+    cli("bake", str(plan_path), "--detach")
+    folder = Path(os.environ["OVERBRAINER_RUNS"]) / "tiny"
+    status = wait_for(lambda: (s := run_json(folder)).get("state") == "queued" and s)
+    assert status["reason"].startswith("Slurm: ") and len(status["reason"]) > len("Slurm: "), status
+    shown = json.loads(cli("status", str(folder), "--json").stdout)
+    assert shown["state"] == "queued", shown
+    job = status["slurm_job"]
+    assert in_queue(job)
+    out = cli("stop", str(folder), "--timeout", "120").stdout
+    assert "stopped" in out, out
+    assert not in_queue(job)
+    assert run_json(folder)["state"] == "stopped"
+
+
+def test_stop_then_resume(plan, reference, cluster):
+    plan_path = on_slurm(plan)
+    folder = Path(os.environ["OVERBRAINER_RUNS"]) / "tiny"
+    cli("bake", str(plan_path), "--detach")
+    trainers = hold_at_step(folder, 2)
+    job = run_json(folder)["slurm_job"]
+    try:
+        stopped = stop_held(folder, trainers, folder / "stop", "--timeout", "300")
+    finally:
+        release(trainers)
+    assert "stopped" in stopped, stopped
+    assert not in_queue(job)
+    step = json.loads((folder / "stopped.json").read_text())["step"]
+    assert 2 <= step < STEPS
+    done = bake(plan_path)
+    assert done["state"] == "done", done
+    assert run_json(folder)["slurm_job"] != job  # a new job went on
+    assert f"resuming from step-{step:06d}" in (folder / "log.txt").read_text()
+    same_model(folder, reference)
+
+
+def test_scancel_by_hand_is_failed_and_a_rerun_resumes(plan, reference, cluster):
+    plan_path = on_slurm(plan)
+    folder = Path(os.environ["OVERBRAINER_RUNS"]) / "tiny"
+    cli("bake", str(plan_path), "--detach")
+    trainers = hold_at_step(folder, 2)
+    job = run_json(folder)["slurm_job"]
+    subprocess.run(["scancel", job], check=True)
+    release(trainers)
+    status = wait_for(lambda: (s := run_json(folder)).get("state") in ("failed", "done", "stopped") and s)
+    assert status["state"] == "failed", status
+    assert f"Slurm job {job} ended CANCELLED" in status["reason"], status
+    done = bake(plan_path)
+    assert done["state"] == "done", done
+    assert "resuming from step-" in (folder / "log.txt").read_text()
+    same_model(folder, reference)
+
+
+def test_the_job_outlives_a_killed_follower_and_a_later_status_finds_it(plan, reference, cluster):
+    plan_path = on_slurm(plan)
+    folder = Path(os.environ["OVERBRAINER_RUNS"]) / "tiny"
+    cli("bake", str(plan_path), "--detach")
+    trainers = hold_at_step(folder, 2)
+    try:
+        status = run_json(folder)
+        job = status["slurm_job"]
+        os.kill(status["process"]["pid"], signal.SIGKILL)
+        time.sleep(0.5)
+        shown = json.loads(cli("status", str(folder), "--json").stdout)
+        assert shown["state"] == "running", shown
+        assert f"Slurm job {job} is RUNNING" in shown["reason"], shown
+    finally:
+        release(trainers)
+    wait_for(lambda: not in_queue(job))
+    shown = json.loads(cli("status", str(folder), "--json").stdout)
+    assert shown["state"] == "failed" and "ended COMPLETED" in shown["reason"], shown
+    done = bake(plan_path)  # takes up what the job made: no new job
+    assert done["state"] == "done", done
+    assert run_json(folder)["slurm_job"] == job
+    same_model(folder, reference)
+
+
+# -- bad input -----------------------------------------------------------------------------
+
+
+def test_no_sbatch_on_the_path_is_one_line(plan, monkeypatch):
+    plan_path = on_slurm(plan)
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
+    proc = cli("bake", str(plan_path), check=2)
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert any("the plan asks for Slurm" in ln and "no sbatch on the PATH" in ln for ln in lines), proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (Path(os.environ["OVERBRAINER_RUNS"]) / "tiny" / "job.sh").exists()
+
+
+def test_a_partition_slurm_rejects_is_its_message_in_one_line(plan, cluster):
+    plan_path = on_slurm(plan, partition="nosuchpartition")
+    proc = cli("bake", str(plan_path), check=2)
+    assert "Slurm refused the job: sbatch: error: Batch job submission failed: Invalid partition name specified" \
+        in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    folder = Path(os.environ["OVERBRAINER_RUNS"]) / "tiny"
+    assert not (folder / "job.sh").exists() and not (folder / "slurm" / "submitted.json").exists()
+    assert not (folder / ".stamps" / "train.json").exists()
+
+
+def test_the_time_limit_warning_checkpoints_and_the_next_job_goes_on(plan, reference, cluster):
+    """Slurm's warning before a time limit (--signal=B:USR1@grace), sent now by hand the way
+    slurmctld sends it: the trainer saves, the job ends, the next job goes on, bit for bit."""
+    plan_path = on_slurm(plan)
+    folder = Path(os.environ["OVERBRAINER_RUNS"]) / "tiny"
+    cli("bake", str(plan_path), "--detach")
+    trainers = hold_at_step(folder, 2)
+    job = run_json(folder)["slurm_job"]
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
+    wait_for(lambda: (folder / "stop").exists())
+    release(trainers)
+    status = wait_for(lambda: (s := run_json(folder)).get("state") in ("failed", "done", "stopped") and s, timeout=300)
+    assert status["state"] == "done", status
+    end = json.loads((folder / "slurm" / f"end-{job}.json").read_text())
+    assert end["signal"] == "SIGUSR1" and end["exit"] == 0
+    jobs = json.loads((folder / "slurm" / "submitted.json").read_text())["jobs"]
+    assert jobs[0] == job and len(jobs) == 2 and status["slurm_job"] == jobs[1]
+    assert "before its time limit; submitting the next" in (folder / "log.txt").read_text()
+    same_model(folder, reference)
