@@ -227,7 +227,7 @@ def worker_trl(run: Path, mode: str, threads: int, packed_batch: int) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(cfg["base_model"])
     for key, value in (cfg.get("special_tokens") or {}).items():
         setattr(tokenizer, key, value)
-    # seeded and built the way the built-in loop does (trainers/loop.py: load_model)
+    # seeded and built the way the built-in loop does (trainers/builtin/model.py: load_model)
     torch.manual_seed(cfg["seed"])
     bf16 = bool(cfg.get("bf16"))
     model = AutoModelForCausalLM.from_pretrained(cfg["base_model"], dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -362,13 +362,13 @@ PHASES = [  # (label, a frame that identifies it), the first match from the leaf
     ("clip_grad_norm_", "clip_grad_norm_"),
     ("backward", "backward (torch/_tensor.py"),
     ("loss: lm_head + cross-entropy", "cross_entropy"),
-    ("forward: decoder", "token_loss (overbrainer"),
+    ("forward: decoder", "forward (overbrainer/trainers/builtin/model"),
     ("collate", "collate (overbrainer"),
     ("zero_grad", "zero_grad"),
     ("metrics / logging", "json"),
     ("load_examples (tokenize)", "load_examples"),
     ("model load", "load_model"),
-    ("checkpoint save", "save_checkpoint"),
+    ("checkpoint save", "save (overbrainer/trainers/builtin/loop"),
     ("imports", "<module>"),
 ]
 

@@ -56,7 +56,7 @@ class Model:
             stamp = read_stamp(folder.stamp("base"))
             if stamp is not None:
                 base = Path(stamp.summary["folder"])
-        return cls(steps[step], base=base if meta.get("adapter") == "lora" else None, step=step, decayed=meta.get("decayed", True))
+        return cls(steps[step], base=base if meta.get("adapter") in ("lora", "qlora") else None, step=step, decayed=meta.get("decayed", True))
 
     def __repr__(self) -> str:
         what = f"checkpoint step {self.step}" if self.step is not None else "model"
@@ -64,7 +64,7 @@ class Model:
         return f"<{what} at {self.path}{note}>"
 
     def load(self):
-        """(model, tokenizer), on the CPU, in float32."""
+        """(model, tokenizer), in float32, on a CUDA GPU when torch sees one, else the CPU."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging
@@ -83,6 +83,8 @@ class Model:
                 model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
                 tokenizer = AutoTokenizer.from_pretrained(self.path)
             model.eval()
+            if torch.cuda.is_available():
+                model.to("cuda")
             self._loaded = (model, tokenizer)
         return self._loaded
 
@@ -118,6 +120,7 @@ class Model:
         import torch
 
         sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+        inputs = {k: v.to(model.device) for k, v in inputs.items()}
         with torch.no_grad():
             out = model.generate(
                 **inputs,

@@ -87,7 +87,11 @@ class TrainSettings(_Settings):
     """How to train."""
 
     trainer: Literal["builtin", "axolotl"] = "builtin"
-    adapter: Literal["lora", "full"] = "lora"
+    adapter: Literal["lora", "qlora", "full"] = Field(
+        default="lora",
+        description='"lora"; "qlora" (the base in 4-bit NF4 with bitsandbytes, LoRA on top; merged/ is 16-bit); '
+        'or "full" (every weight trained).',
+    )
     lora_r: int = Field(default=16, gt=0, le=4096)
     lora_alpha: int = Field(default=32, gt=0, le=65536)
     lora_dropout: float = Field(default=0.0, ge=0, lt=1)
@@ -99,10 +103,34 @@ class TrainSettings(_Settings):
     micro_batch_size: int = Field(default=4, gt=0, le=65536)
     gradient_accumulation_steps: int = Field(default=1, gt=0, le=65536)
     sequence_len: int = Field(default=512, ge=8, le=1_048_576)
+    device: Annotated[str, Field(pattern=r"^(auto|cpu|mps|cuda(:[0-9]+)?)$")] = Field(
+        default="auto",
+        description='Where the model trains: "auto" (CUDA when torch sees a GPU, then Apple mps, else the CPU), '
+        '"cpu", "mps", "cuda" or "cuda:N". Under several processes each takes its own GPU: name "cuda".',
+    )
     bf16: bool | Literal["auto"] = Field(
-        default=False,
+        default="auto",
         description='Compute in bfloat16 (the adapter and its optimizer stay float32): true, false, or "auto" '
-        "(where the hardware computes bf16 natively: a GPU that has it, a CPU with AVX512-BF16 or AMX).",
+        "(on a CUDA GPU that has bf16; elsewhere float32: set true to use a CPU's AVX512-BF16 or AMX).",
+    )
+    gradient_checkpointing: bool = Field(
+        default=False,
+        description="Recompute each layer's activations in the backward instead of keeping them: "
+        "much less memory for about a third more compute.",
+    )
+    compile: bool = Field(
+        default=False,
+        description="torch.compile each decoder layer (the first steps wait for the compiler).",
+    )
+    liger: bool = Field(
+        default=False,
+        description="Liger Kernel's fused linear cross-entropy, RMSNorm, RoPE and SwiGLU (CUDA only; "
+        "pip install liger-kernel).",
+    )
+    deterministic: bool = Field(
+        default=False,
+        description="torch.use_deterministic_algorithms (with CUBLAS_WORKSPACE_CONFIG): on CUDA, a resumed "
+        "run equals an uninterrupted one bit for bit, at some speed.",
     )
     group_by_length: bool = Field(
         default=True,
@@ -118,13 +146,34 @@ class TrainSettings(_Settings):
     seed: int = 0
     processes: int = Field(
         default=1, ge=1, le=1024,
-        description="Training processes on this machine (torchrun; DDP with gloo on CPU, NCCL on GPU).",
+        description="Training processes on each machine (torchrun; DDP with gloo on CPU, NCCL on GPU: one per GPU).",
     )
-
+    nodes: int = Field(
+        default=1, ge=1, le=4096,
+        description="Machines training together (torchrun's rendezvous at train.rendezvous); run the same bake on each.",
+    )
+    rendezvous: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+:[0-9]{1,5}$")] | None = Field(
+        default=None, description="HOST:PORT of torchrun's c10d rendezvous, reachable from every node (nodes > 1).",
+    )
     @model_validator(mode="after")
     def _one_length(self) -> TrainSettings:
         if self.steps is not None and self.epochs is not None:
             raise ValueError("set either steps or epochs, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _sharable(self) -> TrainSettings:
+        world = self.processes * self.nodes
+        if world > 1 and self.gradient_accumulation_steps % world:
+            raise ValueError(
+                f"gradient_accumulation_steps {self.gradient_accumulation_steps} cannot be shared equally by "
+                f"{world} processes (each takes as many micro-batches of a step); make it a multiple of {world}"
+            )
+        if world > 1 and self.device.startswith("cuda:"):
+            raise ValueError(f'device "{self.device}" names one GPU, and each of the {world} processes takes '
+                             'its own; set device to "cuda"')
+        if self.nodes > 1 and self.rendezvous is None:
+            raise ValueError(f"nodes is {self.nodes}: set rendezvous to HOST:PORT of one of them, e.g. node0:29400")
         return self
 
 

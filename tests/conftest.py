@@ -23,6 +23,21 @@ def pytest_addoption(parser):
     parser.addoption("--kill-matrix", action="store_true", help="run every case of tests/reliability/")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu run only where torch sees a CUDA GPU (torch is imported only when
+    one of them is collected)."""
+    marked = [item for item in items if "gpu" in item.keywords]
+    if not marked:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is false)")
+    for item in marked:
+        item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def hermetic(tmp_path, monkeypatch):
     monkeypatch.setenv("OVERBRAINER_CACHE", str(tmp_path / "cache"))

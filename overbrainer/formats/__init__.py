@@ -34,9 +34,9 @@ def check_formats(formats: list[str], base_config: dict, adapter: str = "lora") 
     """Raise OverbrainerError (one line) when the base model or the training cannot give what
     ``bake.formats`` asks for; to be called before any training, once the base's
     ``config.json`` is known. ``adapter`` is the plan's ``train.adapter``."""
-    if "adapter" in formats and adapter != "lora":
+    if "adapter" in formats and adapter not in ("lora", "qlora"):
         raise OverbrainerError(
-            f'bake.formats: adapter needs train.adapter "lora" (a {adapter} fine-tune has no '
+            f'bake.formats: adapter needs train.adapter "lora" or "qlora" (a {adapter} fine-tune has no '
             "adapter of its own); remove it from bake.formats"
         )
     ggufs = [f for f in formats if f.startswith("gguf-")]

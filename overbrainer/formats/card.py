@@ -112,7 +112,7 @@ def model_card(card: dict, metrics: list[dict], files: dict[str, str]) -> str:
     schedule = train["schedule"]
     sources = ", ".join(f"`{name}` ({n})" for name, n in data.get("files", {}).items())
     how = (
-        "the LoRA adapter merged into the weights" if train["adapter"] == "lora" else "a full fine-tune"
+        "the LoRA adapter merged into the weights" if train["adapter"] in ("lora", "qlora") else "a full fine-tune"
     )
     kinds = [fmt.split("-")[0] for fmt in files.values()]
     library = next((lib for kind, lib in _LIBRARIES if kind in kinds), "transformers")

@@ -1,20 +1,28 @@
 """Sizing: will a training step fit in memory, and with what micro-batch?
 
-The estimate, in bytes, for fp32 training (what the built-in trainer does)::
+The estimate, in bytes, with the plan's settings counted::
 
-    weights       every parameter of the base, 4 bytes each
+    weights       every parameter of the base: 4 bytes each in float32; 2 in bf16 when
+                  the base is frozen (LoRA under bf16); ~0.56 (4-bit NF4 with its
+                  double-quantized scales: ~0.52) for the quantized linears under QLoRA, whose
+                  norms, embeddings and output layer peft keeps in float32
     trainable     the adapter (LoRA: r x (in + out) per target module and layer) or all
                   the weights; x4 again for its gradient and AdamW's two moments
     activations   what backward keeps of one micro-batch of micro_batch_size x sequence_len
-                  tokens: per layer ~(6 h + 2 kv + 4 i) floats a token (attention inputs and
-                  outputs, the MLP's three projections, norms), the attention scores
-                  (heads x seq x seq a sequence) and the output layer on the loss positions
-                  (vocab floats a token, three times: logits, softmax, gradient)
+                  tokens: per layer ~(6 h + 2 kv + 4 i) values a token (attention inputs and
+                  outputs, the MLP's three projections, norms), 2 bytes each under bf16,
+                  the attention scores (heads x seq x seq a sequence; none on CUDA, where
+                  sdpa's flash and memory-efficient kernels never hold them) and the output
+                  layer on the loss positions (vocab floats a token, three times: logits,
+                  softmax, gradient). With gradient checkpointing, only each layer's input
+                  (h a token) is kept, plus one layer's worth recomputed in the backward.
     runtime       torch and transformers themselves (~0.5 GiB), and a CUDA context on GPU
 
-It is compared with what the device has: the machine's memory (psutil) on CPU, the GPU's
-(``nvidia-smi``, no torch import) on GPU, less a margin. Reading the model's shape costs
-two small reads (config.json and the safetensors headers), never the weights.
+It is compared with what the device has free: the machine's available memory (psutil) on
+CPU, the chosen GPU's free memory (``nvidia-smi``, no torch import) on CUDA, less a
+margin. Each process of several on one GPU box has its own GPU, so the budget is per GPU.
+Reading the model's shape costs two small reads (config.json and the safetensors
+headers), never the weights.
 """
 
 from __future__ import annotations
@@ -125,27 +133,54 @@ def model_shape(folder: str | Path) -> Shape:
     )
 
 
-def device_memory() -> tuple[str, int]:
-    """('cuda', bytes of the first GPU) when nvidia-smi sees one, else ('cpu', RAM)."""
-    if shutil.which("nvidia-smi"):
-        try:
-            out = subprocess.run(
-                ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                capture_output=True, text=True, timeout=10,
-            )
-            if out.returncode == 0 and out.stdout.strip():
-                return "cuda", int(out.stdout.split()[0]) * 1024 * 1024
-        except (OSError, ValueError, subprocess.TimeoutExpired):
-            pass
+def _nvidia_free(index: int) -> int | None:
+    """Free bytes on GPU `index`, from nvidia-smi (None when it cannot tell)."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", f"--id={index}"],
+            capture_output=True, text=True, timeout=10,
+        )
+        if out.returncode == 0 and out.stdout.strip():
+            return int(out.stdout.split()[0]) * 1024 * 1024
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        pass
+    return None
+
+
+def device_memory(device: str = "auto") -> tuple[str, int]:
+    """(the device the plan's train.device names, the bytes free there): a GPU's free
+    memory when it is CUDA ("auto" and nvidia-smi sees one, or "cuda", "cuda:N"), else
+    the machine's available RAM (CPU, and Apple mps, whose memory is the machine's)."""
+    if device == "auto" or device.startswith("cuda"):
+        index = int(device.split(":")[1]) if ":" in device else 0
+        free = _nvidia_free(index)
+        if free is not None:
+            return "cuda", free
     import psutil
 
-    return "cpu", psutil.virtual_memory().total
+    return ("mps" if device == "mps" else "cpu"), psutil.virtual_memory().available
+
+
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits a weight; an 8-bit scale per 64, an fp32 per 256 of those
 
 
 def estimate(shape: Shape, *, lora: bool, lora_r: int, targets: list[str], micro_batch_size: int,
-             gradient_accumulation_steps: int, sequence_len: int, device: str, total_memory: int) -> Estimate:
+             gradient_accumulation_steps: int, sequence_len: int, device: str, total_memory: int,
+             qlora: bool = False, bf16: bool | str = False, gradient_checkpointing: bool = False) -> Estimate:
     f32 = 4
-    weights = shape.params * f32
+    half = (bf16 is True) or (bf16 == "auto" and device == "cuda")
+    act = 2 if half else f32
+    per_layer_linear = sum(i * o for i, o in shape.modules.values())
+    linear = per_layer_linear * shape.layers
+    if qlora:
+        # the linears of the layers in NF4; the rest (embeddings, norms, output layer) in float32
+        weights = int(linear * NF4_BYTES) + (shape.params - linear) * f32
+    elif lora and half:
+        weights = shape.params * 2
+    else:
+        weights = shape.params * f32
     if lora:
         per_layer = sum(lora_r * (i + o) for name, (i, o) in shape.modules.items() if name in targets)
         trainable_params = per_layer * shape.layers
@@ -153,9 +188,13 @@ def estimate(shape: Shape, *, lora: bool, lora_r: int, targets: list[str], micro
         trainable_params = shape.params
     trainable = trainable_params * f32 * 3  # its gradient and AdamW's two moments
     tokens = micro_batch_size * sequence_len
-    per_token = (6 * shape.hidden + 2 * shape.kv + 4 * shape.intermediate) * f32
-    scores = micro_batch_size * shape.heads * sequence_len * sequence_len * f32
-    activations = shape.layers * (tokens * per_token + scores) + tokens * shape.vocab * f32 * 3
+    per_token = (6 * shape.hidden + 2 * shape.kv + 4 * shape.intermediate) * act
+    scores = 0 if device == "cuda" else micro_batch_size * shape.heads * sequence_len * sequence_len * act
+    if gradient_checkpointing:
+        layers = shape.layers * tokens * shape.hidden * act + tokens * per_token + scores
+    else:
+        layers = shape.layers * (tokens * per_token + scores)
+    activations = layers + tokens * shape.vocab * f32 * 3
     runtime = RUNTIME + (CUDA_CONTEXT if device == "cuda" else 0)
     return Estimate(
         weights=weights,
@@ -171,26 +210,43 @@ def estimate(shape: Shape, *, lora: bool, lora_r: int, targets: list[str], micro
 
 def fit(shape: Shape, *, lora: bool, lora_r: int, targets: list[str], micro_batch_size: int,
         gradient_accumulation_steps: int, sequence_len: int, device: str | None = None,
-        total_memory: int | None = None) -> Estimate:
+        total_memory: int | None = None, qlora: bool = False, bf16: bool | str = False,
+        gradient_checkpointing: bool = False, device_setting: str = "auto", processes: int = 1) -> Estimate:
     """The largest micro-batch (halving from the plan's) that fits, with gradient
     accumulation raised to keep the plan's examples per step. Refuses, in one line with
-    the numbers, when even a micro-batch of one does not fit."""
+    the numbers, when even a micro-batch of one does not fit.
+
+    Several processes on CPU share the machine's memory (each holds the model); on CUDA
+    each has its own GPU."""
     if device is None or total_memory is None:
-        device, total_memory = device_memory()
+        device, total_memory = device_memory(device_setting)
+        if device != "cuda" and processes > 1:
+            total_memory //= processes
     per_step = micro_batch_size * gradient_accumulation_steps
     mbs = micro_batch_size
     while True:
         gas = -(-per_step // mbs)
         est = estimate(shape, lora=lora, lora_r=lora_r, targets=targets, micro_batch_size=mbs,
                        gradient_accumulation_steps=gas, sequence_len=sequence_len, device=device,
-                       total_memory=total_memory)
+                       total_memory=total_memory, qlora=qlora, bf16=bf16,
+                       gradient_checkpointing=gradient_checkpointing)
         if est.fits:
             return est
-        if mbs == 1 or per_step % (mbs // 2 or 1):
+        # halve while the examples of a step still split evenly (and, with several
+        # processes, into a number of micro-batches they share equally)
+        half = mbs // 2
+        if mbs == 1 or per_step % (half or 1) or (per_step // max(half, 1)) % processes:
             break
-        mbs //= 2
+        mbs = half
+    lower = "lower train.sequence_len"
+    if not gradient_checkpointing:
+        lower += ", set train.gradient_checkpointing"
+    if not lora:
+        lower += ", use adapter lora"
+    elif not qlora:
+        lower += ", use adapter qlora"
     raise OverbrainerError(
         f"train: even a micro-batch of {mbs} x {sequence_len} tokens needs {est.total / GiB:.1f} GiB "
         f"(weights {est.weights / GiB:.1f}, activations {est.activations / GiB:.1f}) and {device} has "
-        f"{est.budget / GiB:.1f} GiB usable; lower train.sequence_len, use adapter lora, or a bigger machine"
+        f"{est.budget / GiB:.1f} GiB usable; {lower}, or a bigger machine"
     )

@@ -90,7 +90,7 @@ def special_tokens(base_folder: Path) -> dict:
 
 def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: dict, trust_remote_code: bool = False,
                  chat_template: str | None = None) -> dict:
-    lora = train.adapter == "lora"
+    lora = train.adapter in ("lora", "qlora")
     cfg = {
         "base_model": base_folder,
         "trust_remote_code": trust_remote_code,
@@ -111,7 +111,8 @@ def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: di
         "sequence_len": train.sequence_len,
         "sample_packing": False,
         "group_by_length": train.group_by_length,
-        "adapter": "lora" if lora else None,
+        "adapter": train.adapter if lora else None,
+        "load_in_4bit": True if train.adapter == "qlora" else None,
         "lora_r": train.lora_r if lora else None,
         "lora_alpha": train.lora_alpha if lora else None,
         "lora_dropout": train.lora_dropout if lora else None,
@@ -139,8 +140,21 @@ def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: di
         "train_on_inputs": False,
         "bf16": train.bf16,
         "fp16": False,
-        "tf32": False,
+        # fp32 matmuls in TF32 on a GPU that has it (10 bits of mantissa where fp32 is asked;
+        # bf16 autocast has 7): what TRL and Axolotl users get on an Ampere or newer GPU
+        "tf32": True,
         "flash_attention": False,
+        "sdp_attention": True,
+        "gradient_checkpointing": train.gradient_checkpointing,
+        "torch_compile": train.compile,
+        # Axolotl's names for Liger's kernels (its LigerPlugin); the built-in trainer reads them too
+        "liger_rope": train.liger or None,
+        "liger_rms_norm": train.liger or None,
+        "liger_glu_activation": train.liger or None,
+        "liger_fused_linear_cross_entropy": train.liger or None,
+        # the built-in trainer's own (the Axolotl job config leaves them out)
+        "device": train.device,
+        "deterministic": train.deterministic,
     }
     return {k: v for k, v in cfg.items() if v is not None}
 
@@ -151,7 +165,12 @@ def size(train: TrainSettings, base_folder: Path):
 
     return fit(
         model_shape(base_folder),
-        lora=train.adapter == "lora",
+        lora=train.adapter in ("lora", "qlora"),
+        qlora=train.adapter == "qlora",
+        bf16=train.bf16,
+        gradient_checkpointing=train.gradient_checkpointing,
+        device_setting=train.device,
+        processes=train.processes,
         lora_r=train.lora_r,
         targets=list(train.lora_target_modules),
         micro_batch_size=train.micro_batch_size,

@@ -49,15 +49,21 @@ def run(bake: Bake, inputs: dict) -> Outputs:
     bake.say(f"merge: {bake.shown(checkpoint)} into the base model")
     merge_into(
         Path(inputs["base_folder"]), checkpoint, bake.folder.merged, tokenizer_settings(cfg),
-        lora=inputs["adapter"] == "lora", trust_remote_code=bool(cfg.get("trust_remote_code")),
+        lora=inputs["adapter"] in ("lora", "qlora"), trust_remote_code=bool(cfg.get("trust_remote_code")),
+        dtype="bfloat16" if inputs["adapter"] == "qlora" else "float32", device=cfg.get("device", "auto"),
     )
     return Outputs([MERGED])
 
 
 def merge_into(base_folder: Path, checkpoint: Path, dest: Path, special_tokens: dict, lora: bool,
-               trust_remote_code: bool = False) -> None:
+               trust_remote_code: bool = False, dtype: str = "float32", device: str = "cpu") -> None:
     """Write base + adapter (or a full checkpoint) as one HF model folder at `dest`,
-    through a temp folder renamed into place."""
+    through a temp folder renamed into place.
+
+    A QLoRA adapter goes onto the base as it was before quantization, read in 16 bits
+    (`dtype` "bfloat16"), as peft merges one: the merged weights are the original ones
+    plus the adapter, not the NF4-rounded ones it was trained against. The merge runs on
+    the training's `device` (train.device; "auto": a CUDA GPU when there is one)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.utils import logging
@@ -69,8 +75,11 @@ def merge_into(base_folder: Path, checkpoint: Path, dest: Path, special_tokens: 
     if lora:
         from peft import PeftModel
 
-        model = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32, trust_remote_code=trust_remote_code)
-        model = PeftModel.from_pretrained(model, checkpoint).merge_and_unload()
+        model = AutoModelForCausalLM.from_pretrained(base_folder, dtype=getattr(torch, dtype),
+                                                     trust_remote_code=trust_remote_code)
+        if device != "cpu" and torch.cuda.is_available():
+            model.to("cuda" if device in ("auto", "cuda") else device)
+        model = PeftModel.from_pretrained(model, checkpoint).merge_and_unload().to("cpu")
     else:
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, trust_remote_code=trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(base_folder, trust_remote_code=trust_remote_code)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
+from ..errors import OverbrainerError
 from ..folder import PLAN_JSON
 from ..fsio import write_atomic
 from ..inputs.base_model import pin_base
@@ -50,4 +51,21 @@ def run(bake: Bake, inputs: dict) -> Outputs:
         "overbrainer": __version__,
     }
     write_atomic(bake.folder.plan_json, (json.dumps(resolved, indent=2) + "\n").encode())
+    # before anything else is written: hardware the plan names that this machine lacks
+    problems = hardware_problems(bake)
+    if problems:
+        raise OverbrainerError("\n".join(f"{bake.shown(bake.plan_path)}: {p}" for p in problems))
     return Outputs([PLAN_JSON])
+
+
+def hardware_problems(bake: Bake) -> list[str]:
+    """What the built-in trainer, training here, cannot do on this machine of what the plan
+    asks (a GPU it lacks, more processes than GPUs, QLoRA without bitsandbytes, Liger off
+    CUDA), one line each. A plan that asks nothing of the kind costs no torch import."""
+    train = bake.plan.train
+    asks = train.device not in ("auto", "cpu") or train.processes > 1 or train.adapter == "qlora" or train.liger
+    if train.trainer != "builtin" or bake.plan.where != "here" or not asks:
+        return []
+    from ..trainers.builtin.device import problems
+
+    return problems(train.device, train.processes, train.adapter, train.liger)

@@ -27,6 +27,13 @@ if TYPE_CHECKING:
 
 NAME = "train"
 VERSION = 1
+# config.yaml keys that say how the steps are computed, not what they compute: a run
+# resumes across a change of them (a checkpoint made on the GPU goes on on the CPU, an
+# out-of-memory run goes on with gradient checkpointing), and a finished one stays done.
+# The math is the same; the bits are the same only on the same device and build.
+HOW_IT_COMPUTES = ("device", "deterministic", "torch_compile", "gradient_checkpointing", "liger_rope",
+                   "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy")
+
 TARGETS = [f"{CHECKPOINTS}/", METRICS, LOG]
 
 
@@ -42,7 +49,7 @@ def inputs(bake: Bake) -> dict:
             cfg = yaml.safe_load(bake.folder.config.read_text())
         except (OSError, yaml.YAMLError):
             raise NotReady("config") from None
-    cfg = dict(cfg)
+    cfg = {k: v for k, v in cfg.items() if k not in HOW_IT_COMPUTES}
     # the run is what the config says, with the base model known by its content rather
     # than by where the cache put it: a cache moved elsewhere retrains nothing
     cfg["base_model"] = outputs_digest(base)
@@ -52,8 +59,9 @@ def inputs(bake: Bake) -> dict:
     # remembered plan, without pydantic)
     where = bake.plan.where
     slurm = None if isinstance(where, str) else where.model_dump(mode="json").get("slurm")
-    if slurm and slurm["nodes"] > 1:
-        out["nodes"] = slurm["nodes"]
+    nodes = slurm["nodes"] if slurm else bake.plan.train.nodes  # torchrun's rendezvous across machines
+    if nodes > 1:
+        out["nodes"] = nodes
     return out
 
 
@@ -87,6 +95,7 @@ def run(bake: Bake, inputs: dict) -> Outputs:
     if not done or done[-1][0] != max_steps:
         raise RunFailed(f"the trainer ended without its final checkpoint (step {max_steps})", tail(folder.log, 15))
     meta = ckpt.read_meta(done[-1][1])
+    bake.tell(device=meta.get("device"))  # where it trained, as its checkpoint says
     summary = {
         "steps": max_steps,
         "checkpoint": done[-1][1].name,
@@ -96,6 +105,7 @@ def run(bake: Bake, inputs: dict) -> Outputs:
         "seconds": meta["seconds"],
         "tokens_per_second": round(meta["tokens"] / max(meta["seconds"], 1e-9), 1),
         "peak_memory": meta.get("peak_memory"),
+        "device": meta.get("device"),
     }
     return Outputs([CHECKPOINTS, METRICS], summary=summary)
 
@@ -123,7 +133,10 @@ def launch(bake: Bake, fp: str, max_steps: int) -> int:
     from ..where.bundle import Base
 
     folder = bake.folder
-    trainer = get_trainer(bake.plan.train.trainer, processes=bake.plan.train.processes)
+    train = bake.plan.train
+    own = dict(nodes=train.nodes, rendezvous=train.rendezvous, run_id=bake.plan.name,
+               deterministic=train.deterministic) if train.trainer == "builtin" else {}
+    trainer = get_trainer(train.trainer, processes=train.processes, **own)
     follower = Follower(bake, max_steps, fp)
     # where the plan says: here, an exported bundle, or another machine over ssh
     base = Base.from_stamp(upstream(bake, "base"))

@@ -7,11 +7,13 @@ from .protocol import Artifacts, NoTrainingData, Trainer
 __all__ = ["Artifacts", "NoTrainingData", "Trainer", "get_trainer"]
 
 
-def get_trainer(name: str, processes: int = 1) -> Trainer:
+def get_trainer(name: str, processes: int = 1, **builtin) -> Trainer:
+    """The trainer `name`; `builtin` are the built-in trainer's own settings (nodes,
+    rendezvous, run_id, deterministic)."""
     if name == "builtin":
         from .builtin import Builtin
 
-        return Builtin(processes=processes)
+        return Builtin(processes=processes, **builtin)
     if name == "axolotl":
         from .axolotl import Axolotl
 

@@ -1,4 +1,11 @@
-"""The built-in trainer (torch + transformers + peft): one process running `loop.py`.
+"""The built-in trainer (torch + transformers + peft): one process running `loop.py`, or
+one per GPU (or CPU process) under torchrun.
+
+    loop.py     the training loop: setup, train_step, evaluate, save, and `train`, the loop
+    model.py    the model as config.yaml says (LoRA, QLoRA, checkpointing, compile, Liger)
+                and its loss
+    device.py   where it computes: the device, bf16, TF32, determinism, pinned copies, memory
+    ../dist.py  the ranks: DDP, no_sync during accumulation, sums and agreement
 
 Everything it needs is already in the run folder when the config step is done
 (``config.yaml`` and ``examples.parquet``), so `prepare` only checks there is something
@@ -16,9 +23,11 @@ from ..protocol import STAGE_TRAIN, Artifacts, NoTrainingData
 class Builtin:
     name = "builtin"
 
-    def __init__(self, processes: int = 1, threads: int | None = None):
-        self.processes = processes
-        self.threads = threads
+    def __init__(self, processes: int = 1, threads: int | None = None, nodes: int = 1,
+                 rendezvous: str | None = None, run_id: str = "overbrainer", deterministic: bool = False):
+        self.processes, self.threads = processes, threads
+        self.nodes, self.rendezvous, self.run_id = nodes, rendezvous, run_id
+        self.deterministic = deterministic
 
     def prepare(self, run_dir: Path, root: str) -> None:
         examples = Path(run_dir) / EXAMPLES
@@ -27,6 +36,12 @@ class Builtin:
 
     def commands(self) -> list[list[str]]:
         loop = ["-m", "overbrainer.trainers.builtin", CONFIG]
+        if self.nodes > 1:
+            # torch's own launcher on every machine, meeting at the rendezvous (c10d's store
+            # runs on the machine whose address it names); node ranks are its to give
+            return [["python", "-m", "torch.distributed.run", f"--nnodes={self.nodes}",
+                     f"--nproc-per-node={self.processes}", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint={self.rendezvous}", f"--rdzv-id={self.run_id}", *loop]]
         if self.processes > 1:
             # torch's own launcher: a rendezvous on this machine, N workers, restarts none
             return [["python", "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.processes}", *loop]]
@@ -36,6 +51,9 @@ class Builtin:
         env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
         if self.threads:
             env["OMP_NUM_THREADS"] = str(self.threads)
+        if self.deterministic:
+            # cuBLAS reads it at its first call: set before the trainer imports torch
+            env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         return env
 
     def metrics_file(self) -> str:

@@ -16,10 +16,10 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import yaml
 
 from ...folder import TRAINER_ERROR, RunFolder
@@ -27,9 +27,12 @@ from ...portable import faults
 from ...portable.common import die_with_parent, phase_of, truncate_metrics
 from .. import checkpoint as ckpt
 from ..dist import World
-from ..examples import IGNORE, Order, collate, load_examples, micro_batches, tokenizer_settings
+from ..examples import Example, Order, collate, load_examples, micro_batches
+from . import device as hw
+from .model import Decoder, TokenLoss, load_model, load_weights
 
 STOP_EXIT = 0  # a stop on request is a success: the stopped marker says it was not the end
+OOM_EXIT = 5
 
 
 ERROR_FILE = TRAINER_ERROR
@@ -39,223 +42,319 @@ class DiskFull(Exception):
     pass
 
 
+class GiveUp(Exception):
+    """The trainer cannot go on, for a reason it says in one line (its exit code beside)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
 def fail(run_dir: Path, message: str, code: int) -> int:
     print(message, flush=True)
     (run_dir / ERROR_FILE).write_text(message + "\n")
     return code
 
 
-def train(config_path: Path) -> int:
-    cfg = yaml.safe_load(config_path.read_text())
-    run_dir = config_path.parent
-    checkpoints = run_dir / cfg["output_dir"]
-    folder = RunFolder(run_dir)
-    metrics_path = folder.metrics
-    stop_request, stopped_marker = folder.stop_request, folder.stopped_marker
-    fingerprint = os.environ.get("OVERBRAINER_FINGERPRINT", "")
+@dataclass
+class Training:
+    """What `setup` builds, the loop advances and `save` writes: one run's state."""
 
-    max_steps = cfg["max_steps"]
-    mbs, gas = cfg["micro_batch_size"], cfg["gradient_accumulation_steps"]
-    warmup = cfg["warmup_steps"]
-    stable = cfg["lr_scheduler_kwargs"]["num_stable_steps"]
-    decay = cfg["lr_scheduler_kwargs"]["num_decay_steps"]
-    save_every, eval_every = cfg["save_steps"], cfg["eval_steps"]
+    cfg: dict
+    run_dir: Path
+    world: World
+    device: torch.device
+    bf16: bool
+    model: torch.nn.Module  # the PEFT model (LoRA) or the model: what checkpoints hold
+    decoder: torch.nn.Module  # what the loop calls: `Decoder(model)`, under DDP with several processes
+    loss: TokenLoss
+    train_set: list[Example]
+    val_set: list[Example]
+    order: Order
+    pad_id: int
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    step: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    last: dict = field(default_factory=lambda: {"loss": None, "eval_loss": None})
+    saved_step: int | None = None
 
+    @property
+    def checkpoints(self) -> Path:
+        return self.run_dir / self.cfg["output_dir"]
+
+    def say(self, message: str) -> None:
+        if self.world.main:
+            print(message, flush=True)
+
+
+# -- setup -------------------------------------------------------------------------------
+
+
+def setup(cfg: dict, run_dir: Path) -> Training:
+    """The model on its device, the data, the optimizer and the schedule; then the newest
+    complete checkpoint's state, when there is one."""
     world = World()
+    try:
+        device = hw.pick(cfg.get("device", "auto"), world.local_rank)
+    except hw.Unavailable as e:
+        raise GiveUp(str(e), 2) from None
+    hw.configure(device, bool(cfg.get("deterministic")), bool(cfg.get("tf32")))
+    world.connect(device)
     torch.manual_seed(cfg["seed"])  # the same initial adapter on every rank
-    bf16 = use_bf16(cfg.get("bf16", False))
-    model, tokenizer = load_model(cfg, bf16)
+    bf16 = hw.use_bf16(cfg.get("bf16", False), device)
+    model, tokenizer = load_model(cfg, device, bf16)
     if world.size > 1:
         torch.manual_seed(cfg["seed"] + 7919 * world.rank)  # but its own dropout
-    examples_path = run_dir / cfg["datasets"][0]["path"]
-    train_set, val_set, dropped = load_examples(examples_path, tokenizer, cfg["sequence_len"])
+    train_set, val_set, dropped = load_examples(run_dir / cfg["datasets"][0]["path"], tokenizer, cfg["sequence_len"])
     if not train_set:
-        return fail(run_dir, "no training conversation keeps an assistant token within train.sequence_len; "
-                    "raise train.sequence_len", 3)
-    if dropped:
+        raise GiveUp("no training conversation keeps an assistant token within train.sequence_len; "
+                     "raise train.sequence_len", 3)
+    if dropped and world.main:
         print(f"{dropped} conversations dropped: nothing of the assistant left within sequence_len", flush=True)
+    mbs, gas = cfg["micro_batch_size"], cfg["gradient_accumulation_steps"]
     lengths = [len(e.ids) for e in train_set] if cfg.get("group_by_length") else None
-    order = Order(len(train_set), mbs * gas, cfg["seed"], lengths)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg["learning_rate"], weight_decay=cfg["weight_decay"])
-    scheduler = make_schedule(optimizer, warmup, stable, decay)
-
-    step, tokens, seconds = 0, 0, 0.0
-    last = {"loss": None, "eval_loss": None}
-    if world.main:
-        ckpt.remove_partial(checkpoints)
-        ckpt.latest_intact(checkpoints, say=lambda m: print(m, flush=True))
-    world.barrier()
-    done = ckpt.complete(checkpoints)
-    if done:
-        step, folder = done[-1]
-        meta = ckpt.read_meta(folder)
-        load_weights(model, folder, cfg)
-        state = ckpt.load_state(folder)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        if meta.get("world_size", 1) != world.size:
-            raise SystemExit(f"{folder.name} was made by {meta.get('world_size', 1)} processes, not {world.size}")
-        ckpt.set_rng_state(state["rng"] if world.size == 1 else ckpt.load_rank_rng(folder, world.rank))
-        tokens, seconds = meta["tokens"], meta["seconds"]
-        last = {"loss": meta.get("loss"), "eval_loss": meta.get("eval_loss")}
-        print(f"resuming from {folder.name} (step {step} of {max_steps})", flush=True)
-    saved_step = step if done else None
-
-    def save_checkpoint(k: int) -> None:
-        nonlocal saved_step
-        if world.size > 1:
-            # every rank's RNG goes in, then rank 0 writes the rest and renames
-            world.barrier()
-            ckpt.save_rank_rng(checkpoints, k, world.rank)
-            world.barrier()
-            if not world.main:
-                world.barrier()
-                saved_step = k
-                return
-        phase = phase_of(k - 1, warmup, stable) if k else "warmup"
-        meta = {
-            "step": k,
-            "steps": max_steps,
-            "phase": phase,
-            # a checkpoint before the decay is not annealed: compare such ones with each
-            # other, not with the final model
-            "decayed": phase == "decay" or k == max_steps,
-            "loss": last["loss"],
-            "eval_loss": last["eval_loss"],
-            "lr": scheduler.get_last_lr()[0],
-            "tokens": tokens,
-            "seconds": round(seconds, 3),
-            "data": order.position(k),
-            "fingerprint": fingerprint,
-            "adapter": cfg.get("adapter") or "full",
-            "base_model": cfg["base_model"],
-            "world_size": world.size,
-            "bf16": bf16,
-            "peak_memory": peak_memory(),
-        }
-        try:
-            ckpt.save(checkpoints, k, model, optimizer, scheduler, meta)
-        except OSError as e:
-            if e.errno != errno.ENOSPC:
-                raise
-            shutil.rmtree(ckpt.tmp_dir(checkpoints, k), ignore_errors=True)
-            previous = f"step-{saved_step:06d} is intact" if saved_step else "no earlier checkpoint"
-            raise DiskFull(f"no space left on the device while saving checkpoint step-{k:06d} in {checkpoints} "
-                           f"({previous}); free some space and bake again to resume") from None
-        saved_step = k
-        world.barrier()
-
-    say = print if world.main else (lambda *a, **k: None)
-    if world.main:
-        truncate_metrics(metrics_path, step)
-        stopped_marker.unlink(missing_ok=True)
-    say(
-        f"training {sum(p.numel() for p in params):,} parameters on {len(train_set)} conversations "
-        f"({len(val_set)} for validation), {max_steps} steps of {mbs}x{gas}"
-        + (", computing in bf16" if bf16 else "")
-        + (f" shared by {world.size} processes" if world.size > 1 else ""),
-        flush=True,
+    # fused AdamW (one kernel for every parameter) where torch has it for the device; on
+    # the CPU the loop keeps the per-parameter one, whose bits every CPU checkpoint holds
+    fused = {"fused": True} if device.type in ("cuda", "mps") else {}
+    optimizer = torch.optim.AdamW(params, lr=cfg["learning_rate"], weight_decay=cfg["weight_decay"], **fused)
+    scheduler = make_schedule(optimizer, cfg["warmup_steps"], cfg["lr_scheduler_kwargs"]["num_stable_steps"],
+                              cfg["lr_scheduler_kwargs"]["num_decay_steps"])
+    fused_loss = bool(cfg.get("liger_fused_linear_cross_entropy"))
+    t = Training(
+        cfg=cfg, run_dir=run_dir, world=world, device=device, bf16=bf16, model=model,
+        decoder=world.wrap(Decoder(model), device), loss=TokenLoss(fused=fused_loss, mask=device.type != "cuda"),
+        train_set=train_set, val_set=val_set, order=Order(len(train_set), mbs * gas, cfg["seed"], lengths),
+        pad_id=pad_id, params=params, optimizer=optimizer, scheduler=scheduler,
     )
-
-    model.train()
-    started = time.monotonic() - seconds
-    while step < max_steps:
-        # a stop asked by `overbrainer stop`: save where we are, say so, end
-        if world.agree(stop_request.exists()):
-            if saved_step != step:
-                save_checkpoint(step)
-            if world.main:
-                stopped_marker.write_text(json.dumps({"step": step, "steps": max_steps}))
-            say(f"stopped at step {step} on request", flush=True)
-            world.close()
-            return STOP_EXIT
-
-        lr = scheduler.get_last_lr()[0]
-        phase = phase_of(step, warmup, stable)
-        batch = [train_set[i] for i in order.step(step)]
-        loss_tokens = sum(e.loss_tokens for e in batch)
-
-        # micro-steps: each micro-batch's summed loss over the step's loss tokens, so the
-        # gradient is that of the whole step whatever the micro-batching
-        # (with several processes, each takes its share of the micro-batches)
-        step_loss, step_tokens = 0.0, 0
-        for micro in world.mine(micro_batches(batch, mbs)):
-            inputs = collate(micro, pad_id)
-            with compute(bf16):
-                loss = token_loss(model, inputs) / loss_tokens
-            loss.backward()
-            step_loss += loss.item()
-            step_tokens += int(inputs["attention_mask"].sum())
-        world.sum_grads(params)
-        step_loss = world.sum(step_loss)
-        tokens += int(world.sum(step_tokens))
-
-        torch.nn.utils.clip_grad_norm_(params, cfg["max_grad_norm"])
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        faults.point("train:step")
-
-        line = {"step": step, "tokens": tokens, "loss": round(step_loss, 6), "lr": lr}
-        if step % eval_every == 0 or step == max_steps:
-            with compute(bf16):
-                line["eval_loss"] = round(evaluate(model, val_set, mbs, pad_id, world), 6) if val_set else None
-            last["eval_loss"] = line["eval_loss"]
-        seconds = time.monotonic() - started
-        line.update(seconds=round(seconds, 3), phase=phase)
-        last["loss"] = line["loss"]
-        if world.main:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(line) + "\n")
-        say(
-            f"step {step}/{max_steps} loss {step_loss:.4f}"
-            + (f" eval {line['eval_loss']:.4f}" if line.get("eval_loss") is not None else "")
-            + f" lr {lr:.3g} {tokens / max(seconds, 1e-9):.0f} tok/s",
-            flush=True,
-        )
-
-        if step % save_every == 0 or step == max_steps:
-            save_checkpoint(step)
-
-    world.close()
-    return 0
+    resume(t)
+    return t
 
 
-# -- helpers beside the loop -------------------------------------------------------------
+def resume(t: Training) -> None:
+    """Take up the newest complete, intact checkpoint: weights, optimizer (its state mapped
+    onto this run's device, whatever device saved it), schedule, RNG and counters."""
+    if t.world.main:
+        ckpt.remove_partial(t.checkpoints)
+        ckpt.latest_intact(t.checkpoints, say=lambda m: print(m, flush=True))
+    t.world.barrier()
+    done = ckpt.complete(t.checkpoints)
+    if not done:
+        return
+    step, folder = done[-1]
+    meta = ckpt.read_meta(folder)
+    if meta.get("world_size", 1) != t.world.size:
+        raise GiveUp(f"{folder.name} was made by {meta.get('world_size', 1)} processes, not {t.world.size}: "
+                     f"set train.processes back to {meta.get('world_size', 1)} to resume it", 2)
+    load_weights(t.model, folder, t.cfg)
+    state = ckpt.load_state(folder)  # on the CPU: optimizer.load_state_dict moves it to the params
+    t.optimizer.load_state_dict(state["optimizer"])
+    t.scheduler.load_state_dict(state["scheduler"])
+    ckpt.set_rng_state(state["rng"] if t.world.size == 1 else ckpt.load_rank_rng(folder, t.world.rank))
+    t.step, t.saved_step = step, step
+    t.tokens, t.seconds = meta["tokens"], meta["seconds"]
+    t.last = {"loss": meta.get("loss"), "eval_loss": meta.get("eval_loss")}
+    moved = f", saved on {meta['device']}" if meta.get("device", str(t.device)) != str(t.device) else ""
+    print(f"resuming from {folder.name} (step {step} of {t.cfg['max_steps']}{moved})", flush=True)
 
 
-def token_loss(model, inputs: dict) -> torch.Tensor:
-    """The summed cross-entropy over the positions that have a label.
+# -- one optimizer step, evaluation, checkpoints -----------------------------------------
 
-    The output layer runs only where loss is taken: with assistant-only loss that is a
-    fraction of the positions, and the vocabulary projection is the largest matmul of a
-    small model.
-    """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    hidden = base.get_decoder()(
-        input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]
-    ).last_hidden_state
-    targets = inputs["labels"][:, 1:]
-    where = targets != IGNORE
-    logits = base.get_output_embeddings()(hidden[:, :-1][where])
-    return F.cross_entropy(logits.float(), targets[where], reduction="sum")
+
+def train_step(t: Training, batch: list[Example]) -> tuple[float, int]:
+    """Forward and backward of this rank's micro-batches of one step: (the step's loss,
+    its real tokens), summed over every rank.
+
+    Each micro-batch's summed loss is divided by the step's loss tokens, so the gradient is
+    that of the whole step whatever the micro-batching and however many ranks share it;
+    DDP all-reduces (averaging: hence `world.scale`) after the last micro-batch only."""
+    loss_tokens = sum(e.loss_tokens for e in batch)
+    mine = t.world.mine(micro_batches(batch, t.cfg["micro_batch_size"]))
+    step_loss = torch.zeros((), dtype=torch.float64, device=t.device)
+    step_tokens = 0
+    for i, micro in enumerate(mine):
+        inputs = hw.to_device(collate(micro, t.pad_id), t.device)
+        with t.world.accumulating(t.decoder, last=i == len(mine) - 1):
+            with hw.compute(t.bf16, t.device):
+                loss = t.loss(t.decoder, inputs) / loss_tokens
+            (loss * t.world.scale).backward()
+        step_loss += loss.detach()  # on the device: read once a step, not once a micro-batch
+        step_tokens += sum(len(e.ids) for e in micro)
+    return t.world.sum(step_loss.item()), int(t.world.sum(step_tokens))
 
 
 @torch.no_grad()
-def evaluate(model, examples, mbs: int, pad_id: int, world: World) -> float:
+def evaluate(t: Training) -> float | None:
     """Mean loss per assistant token over the validation set (shared by the ranks)."""
-    model.eval()
-    total, count = 0.0, 0
-    for micro in world.mine(micro_batches(examples, mbs)):
-        inputs = collate(micro, pad_id)
-        total += token_loss(model, inputs).item()
+    if not t.val_set:
+        return None
+    decoder = getattr(t.decoder, "module", t.decoder)  # no gradients: no DDP
+    t.model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    count = 0
+    for micro in t.world.mine(micro_batches(t.val_set, t.cfg["micro_batch_size"])):
+        inputs = hw.to_device(collate(micro, t.pad_id), t.device)
+        with hw.compute(t.bf16, t.device):
+            total += t.loss(decoder, inputs)
         count += sum(e.loss_tokens for e in micro)
-    model.train()
-    return world.sum(total) / max(world.sum(count), 1)
+    t.model.train()
+    return t.world.sum(total.item()) / max(t.world.sum(count), 1)
+
+
+def save(t: Training, k: int) -> None:
+    """Checkpoint step `k`: every rank's RNG goes in, then rank 0 writes the rest and
+    renames the folder into place (checkpoint.py: never half there)."""
+    if t.world.size > 1:
+        t.world.barrier()
+        ckpt.save_rank_rng(t.checkpoints, k, t.world.rank)
+        t.world.barrier()
+        if not t.world.main:
+            t.world.barrier()
+            t.saved_step = k
+            return
+    cfg = t.cfg
+    warmup, stable = cfg["warmup_steps"], cfg["lr_scheduler_kwargs"]["num_stable_steps"]
+    phase = phase_of(k - 1, warmup, stable) if k else "warmup"
+    meta = {
+        "step": k,
+        "steps": cfg["max_steps"],
+        "phase": phase,
+        # a checkpoint before the decay is not annealed: compare such ones with each
+        # other, not with the final model
+        "decayed": phase == "decay" or k == cfg["max_steps"],
+        "loss": t.last["loss"],
+        "eval_loss": t.last["eval_loss"],
+        "lr": t.scheduler.get_last_lr()[0],
+        "tokens": t.tokens,
+        "seconds": round(t.seconds, 3),
+        "data": t.order.position(k),
+        "fingerprint": os.environ.get("OVERBRAINER_FINGERPRINT", ""),
+        "adapter": cfg.get("adapter") or "full",
+        "base_model": cfg["base_model"],
+        "world_size": t.world.size,
+        "device": str(t.device),
+        "bf16": t.bf16,
+        "peak_memory": hw.peak_memory(t.device),
+    }
+    try:
+        ckpt.save(t.checkpoints, k, t.model, t.optimizer, t.scheduler, meta)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        shutil.rmtree(ckpt.tmp_dir(t.checkpoints, k), ignore_errors=True)
+        previous = f"step-{t.saved_step:06d} is intact" if t.saved_step else "no earlier checkpoint"
+        raise DiskFull(f"no space left on the device while saving checkpoint step-{k:06d} in {t.checkpoints} "
+                       f"({previous}); free some space and bake again to resume") from None
+    t.saved_step = k
+    t.world.barrier()
+
+
+def out_of_memory(t: Training) -> GiveUp:
+    """A CUDA out-of-memory error as one line: the step, the peak, what to lower."""
+    peak = hw.peak_memory(t.device) / 2**30
+    total = torch.cuda.get_device_properties(t.device).total_memory / 2**30 if t.device.type == "cuda" else 0
+    kept = f"step-{t.saved_step:06d} is intact" if t.saved_step else "no checkpoint yet"
+    fix = "lower train.micro_batch_size (raising gradient_accumulation_steps) or train.sequence_len (a new run)"
+    if not t.cfg.get("gradient_checkpointing"):
+        fix = "set train.gradient_checkpointing and bake again to resume, or " + fix
+    return GiveUp(f"out of GPU memory at step {t.step + 1} of {t.cfg['max_steps']} (peak {peak:.1f} GiB of "
+                  f"{total:.1f} GiB on {t.device}; {kept}); {fix}", OOM_EXIT)
+
+
+# -- the loop ----------------------------------------------------------------------------
+
+
+def train(config_path: Path) -> int:
+    cfg = yaml.safe_load(config_path.read_text())
+    run_dir = config_path.parent
+    folder = RunFolder(run_dir)
+    metrics_path = folder.metrics
+    stop_request, stopped_marker = folder.stop_request, folder.stopped_marker
+    t = setup(cfg, run_dir)
+    world, max_steps = t.world, cfg["max_steps"]
+    save_every, eval_every = cfg["save_steps"], cfg["eval_steps"]
+    warmup, stable = cfg["warmup_steps"], cfg["lr_scheduler_kwargs"]["num_stable_steps"]
+    if world.main:
+        truncate_metrics(metrics_path, t.step)
+        stopped_marker.unlink(missing_ok=True)
+    t.say(
+        f"training {sum(p.numel() for p in t.params):,} parameters on {len(t.train_set)} conversations "
+        f"({len(t.val_set)} for validation), {max_steps} steps of {cfg['micro_batch_size']}x"
+        f"{cfg['gradient_accumulation_steps']} on {t.device}"
+        + (", computing in bf16" if t.bf16 else "")
+        + (f" shared by {world.size} processes" if world.size > 1 else "")
+    )
+
+    t.model.train()
+    hw.reset_peak(t.device)
+    started = time.monotonic() - t.seconds
+    while t.step < max_steps:
+        # a stop asked by `overbrainer stop`: save where we are, say so, end
+        if world.agree(stop_request.exists()):
+            if t.saved_step != t.step:
+                save(t, t.step)
+            if world.main:
+                stopped_marker.write_text(json.dumps({"step": t.step, "steps": max_steps}))
+            t.say(f"stopped at step {t.step} on request")
+            world.close()
+            return STOP_EXIT
+
+        # schedule: this step's learning rate and examples (a function of the step alone)
+        lr = t.scheduler.get_last_lr()[0]
+        phase = phase_of(t.step, warmup, stable)
+        batch = [t.train_set[i] for i in t.order.step(t.step)]
+
+        # micro-steps: forward and backward of each micro-batch, gradients summed
+        try:
+            step_loss, step_tokens = train_step(t, batch)
+        except RuntimeError as e:
+            if hw.is_out_of_memory(e):
+                raise out_of_memory(t) from None
+            raise
+        t.tokens += step_tokens
+
+        # clip, step, zero_grad: the update, then the gradients' memory given back
+        torch.nn.utils.clip_grad_norm_(t.params, cfg["max_grad_norm"])
+        t.optimizer.step()
+        t.scheduler.step()
+        t.optimizer.zero_grad(set_to_none=True)
+        t.step += 1
+        faults.point("train:step")
+
+        # eval, after the update: the validation loss of the weights this step made
+        line = {"step": t.step, "tokens": t.tokens, "loss": round(step_loss, 6), "lr": lr}
+        if t.step % eval_every == 0 or t.step == max_steps:
+            value = evaluate(t)
+            line["eval_loss"] = round(value, 6) if value is not None else None
+            t.last["eval_loss"] = line["eval_loss"]
+        t.seconds = time.monotonic() - started
+        line.update(seconds=round(t.seconds, 3), phase=phase)
+        if t.device.type == "cuda":
+            # the most GPU memory held so far (as Axolotl logs it): what sizing is held to
+            line["memory"] = hw.peak_memory(t.device)
+        t.last["loss"] = line["loss"]
+
+        # log: one metrics line a step (the bake follows the file), and the console
+        if world.main:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        t.say(
+            f"step {t.step}/{max_steps} loss {step_loss:.4f}"
+            + (f" eval {line['eval_loss']:.4f}" if line.get("eval_loss") is not None else "")
+            + f" lr {lr:.3g} {t.tokens / max(t.seconds, 1e-9):.0f} tok/s"
+        )
+
+        # checkpoint, last: a kill anywhere above loses at most this step
+        if t.step % save_every == 0 or t.step == max_steps:
+            save(t, t.step)
+
+    world.close()
+    return 0
 
 
 def make_schedule(optimizer, warmup: int, stable: int, decay: int):
@@ -270,90 +369,6 @@ def make_schedule(optimizer, warmup: int, stable: int, decay: int):
         decay_type="linear",
         min_lr_ratio=0.0,
     )
-
-
-def use_bf16(setting) -> bool:
-    """Whether to compute in bfloat16: the plan's true or false, or "auto": where the
-    hardware does bf16 arithmetic natively (elsewhere it would be emulated, and slower)."""
-    if setting != "auto":
-        return bool(setting)
-    if torch.cuda.is_available():
-        return torch.cuda.is_bf16_supported()
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
-def compute(bf16: bool):
-    """Where the forward pass runs: autocast to bf16 (matmuls in bf16, sums and softmax in
-    float32), or plain float32."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.autocast(device, dtype=torch.bfloat16, enabled=bf16)
-
-
-def load_model(cfg: dict, bf16: bool = False):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-    base = cfg["base_model"]
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    for key, value in tokenizer_settings(cfg).items():
-        setattr(tokenizer, key, value)
-    lora = cfg.get("adapter") == "lora"
-    # a LoRA's base is frozen: in bf16 it is read as it is (no cast per step, half the
-    # memory); the adapter and its optimizer stay float32, as every trained weight does
-    dtype = torch.bfloat16 if bf16 and lora else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(
-        base, dtype=dtype, attn_implementation="sdpa", trust_remote_code=bool(cfg.get("trust_remote_code"))
-    )
-    model.config.use_cache = False
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        settings = LoraConfig(
-            r=cfg["lora_r"],
-            lora_alpha=cfg["lora_alpha"],
-            lora_dropout=cfg["lora_dropout"],
-            target_modules=cfg["lora_target_modules"],
-            task_type="CAUSAL_LM",
-        )
-        model = get_peft_model(model, settings)
-        for p in model.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()
-    return model, tokenizer
-
-
-def load_weights(model, folder: Path, cfg: dict) -> None:
-    """Put a checkpoint's trained weights into the freshly built model, exactly."""
-    if cfg.get("adapter") == "lora":
-        from peft import set_peft_model_state_dict
-        from peft.utils import load_peft_weights
-
-        result = set_peft_model_state_dict(model, load_peft_weights(str(folder), device="cpu"))
-        unexpected = getattr(result, "unexpected_keys", [])
-        if unexpected:
-            raise RuntimeError(f"{folder}: adapter weights do not fit the model: {unexpected[:3]}")
-    else:
-        from safetensors.torch import load_file
-
-        state = {}
-        for f in sorted(folder.glob("*.safetensors")):
-            state.update(load_file(f))
-        model.load_state_dict(state, strict=False)
-
-
-def peak_memory() -> int:
-    """Bytes: the most this process has held (RSS on CPU, allocated on GPU)."""
-    if torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _stop_on_signal(stop_request: Path) -> None:
@@ -384,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         return train(config)
     except DiskFull as e:
         return fail(config.parent, str(e), 4)
+    except GiveUp as e:
+        return fail(config.parent, str(e), e.code)
 
 
 def exit_now(code: int) -> None:

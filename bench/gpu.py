@@ -1,0 +1,421 @@
+"""Training on one GPU: the built-in trainer vs TRL's SFTTrainer, same model, same batches.
+
+    python3 bench/gpu.py                      # on the GPU machine: fits in 8 minutes on one H200
+    python3 bench/gpu.py --device cpu --tiny  # the same code path here, on a tiny model
+
+Inputs: the machine's torch, transformers, peft and accelerate, plus what ``bench/gpu-wheels``
+downloads (trl, datasets, liger-kernel, bitsandbytes, overbrainer's own dependencies),
+installed with ``pip install --target /tmp/site`` and put on PYTHONPATH (bench/README.md
+has the one command).
+
+What it does, in order:
+
+1. measures the device's bf16 matmul peak (8192² random matrices, CUDA events; 1024² and
+   wall time on a CPU): the denominator of MFU;
+2. for each case (random-init models of SmolLM2-1.7B's and -135M's shapes, LoRA r=16 on
+   every linear of the layers and a full fine-tune), writes a run folder as a bake would
+   (``examples.parquet`` by ``split_conversations``, ``config.yaml`` by ``build_config``)
+   and runs each contender in its own process on **the same batches** (bench/train.py's
+   way: TRL gets the built-in loop's own token ids, labels and step order):
+   - ``builtin``: ``python -m overbrainer.trainers.builtin config.yaml``, the real trainer,
+     bf16 by "auto", with Liger off and on (``train.liger``);
+   - ``trl``: SFTTrainer, bf16, sdpa, padded batches; ``trl-padfree``: ``padding_free=True``;
+     ``trl-liger``: padding-free with ``use_liger_kernel=True`` (TRL 1.16: RMSNorm, RoPE and
+     SwiGLU; its own chunked LM head). Gradient checkpointing off on both sides.
+3. prints per contender: useful tokens/s (non-pad tokens, steady state: steps after
+   ``--skip``), peak GPU memory (``torch.cuda.max_memory_allocated``), MFU and the largest
+   relative loss difference from the built-in's on identical batches; the ratios the issue's
+   goals name; writes everything as JSON to ``$OUT/gpu.json`` when ``$OUT`` is set;
+4. runs ``pytest -m gpu`` (tests/test_gpu.py).
+
+A contender that fails is one row saying why; the others still run.
+
+MFU counts model FLOPs per useful token, for a document of length s: full fine-tune
+``6·N + 12·L·d·s``, LoRA ``4·N + 6·N_lora + 12·L·d·s`` (forward 2N, backward through the
+frozen matmuls 2N, no weight grads for them), N the parameters in matmuls (lm_head in,
+the embedding lookup out), attention counted non-causal (PaLM's), recomputation not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+sys.path[:0] = [str(BENCH), str(REPO), str(REPO / "tests")]
+
+from train import batches, make_chats, run_builtin, thread_env  # noqa: E402
+
+PY = sys.executable
+
+SHAPES = {
+    # SmolLM2's configs (rope_theta aside, which costs nothing); vocab 49152, tied embeddings
+    "1.7b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
+                 num_key_value_heads=32, vocab_size=49152),
+    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3, vocab_size=49152),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=49152),
+}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def work() -> Path:
+    root = Path(os.environ.get("BENCH_WORK") or "/tmp/overbrainer-bench") / "gpu"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+# --- the model, the data and the run folder ------------------------------------------------
+
+
+def random_model(shape: str) -> Path:
+    """A random-init Llama of `shape`, saved in bf16, with the tests' tiny tokenizer (its
+    400 ids fall inside the 49152-row embedding: the matmuls are the real model's)."""
+    folder = work() / f"model-{shape}"
+    if (folder / "config.json").exists():
+        return folder
+    import torch
+    from tiny import make_tiny_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = make_tiny_tokenizer()
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), bos_token_id=None)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(folder)
+    return folder
+
+
+def prepare(case: dict, args) -> tuple[Path, dict]:
+    """A run folder with examples.parquet and config.yaml, as a bake writes them."""
+    import yaml
+    from transformers import AutoTokenizer
+
+    from overbrainer.inputs.conversations import split_conversations
+    from overbrainer.plan import TrainSettings
+    from overbrainer.steps.config import build_config, schedule_steps, special_tokens
+
+    base = random_model(case["shape"])
+    run = work() / f"run-{case['name']}"
+    shutil.rmtree(run, ignore_errors=True)
+    run.mkdir(parents=True)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    chats = make_chats(args.chats, tokenizer, lo=args.min_len, hi=args.max_len)
+    (run / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    summary = split_conversations([run / "chats.jsonl"], run / "examples.parquet", validation=0, seed=0)
+    settings = TrainSettings(
+        adapter=case["adapter"], steps=args.steps, micro_batch_size=args.batch, gradient_accumulation_steps=1,
+        sequence_len=args.max_len, lora_r=16, lora_alpha=32, lora_dropout=0.0, lora_target_modules=TARGETS,
+        learning_rate=1e-4 if case["adapter"] == "lora" else 1e-5, save_every=10**6, eval_every=10**6, seed=0,
+        device=args.device, bf16="auto", liger=case.get("liger", False),
+    )
+    cfg = build_config(settings, str(base), schedule_steps(settings, summary.train), special_tokens(base))
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return run, cfg
+
+
+def set_liger(run: Path, on: bool) -> None:
+    import yaml
+
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    for key in ("liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy"):
+        cfg[key] = on
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+# --- the peak, and the FLOPs of a step -----------------------------------------------------
+
+
+def matmul_peak(device: str) -> float:
+    """FLOP/s of a bf16 matmul on `device`, measured (random data: zeros run faster)."""
+    import torch
+
+    n, reps = (8192, 20) if device.startswith("cuda") else (1024, 5)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    if device.startswith("cuda"):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(reps):
+            a @ b
+        end.record()
+        torch.cuda.synchronize()
+        seconds = start.elapsed_time(end) / 1000
+    else:
+        t = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        seconds = time.perf_counter() - t
+    return 2 * n**3 * reps / seconds
+
+
+def step_flops(shape: str, adapter: str, steps: list[list]) -> list[float]:
+    """Model FLOPs of each step's examples (the module's docstring says how they count)."""
+    s = SHAPES[shape]
+    h, i, layers, heads = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["num_attention_heads"]
+    kv = s["num_key_value_heads"] * h // heads
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * i
+    n = per_layer * layers + h * s["vocab_size"]
+    lora = layers * 16 * (2 * (h + h) + 2 * (h + kv) + 2 * (h + i) + (i + h))
+    per_token = 6 * n if adapter == "full" else 4 * n + 6 * lora
+    return [sum(len(e.ids) * (per_token + 12 * layers * h * len(e.ids)) for e in step) for step in steps]
+
+
+# --- TRL, in its own process ---------------------------------------------------------------
+
+
+def worker_trl(run: Path, mode: str, device: str, result: Path) -> None:
+    """SFTTrainer on the built-in loop's batches, bf16 where the device has it."""
+    import torch
+    import yaml
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    steps = batches(run, cfg)
+    flat = [e for step in steps for e in step]
+    tokenizer = AutoTokenizer.from_pretrained(cfg["base_model"])
+    for key, value in (cfg.get("special_tokens") or {}).items():
+        setattr(tokenizer, key, value)
+    cuda = device.startswith("cuda")
+    bf16 = cuda and torch.cuda.is_bf16_supported()
+    lora = cfg.get("adapter") == "lora"
+    torch.manual_seed(cfg["seed"])
+    # a LoRA's frozen base in bf16 (as TRL users load it); a full fine-tune's weights in
+    # float32 under bf16 autocast, as the built-in trainer keeps them
+    model = AutoModelForCausalLM.from_pretrained(cfg["base_model"], dtype=torch.bfloat16 if bf16 and lora else torch.float32,
+                                                 attn_implementation="sdpa")
+    model.config.use_cache = False
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(
+            r=cfg["lora_r"], lora_alpha=cfg["lora_alpha"], lora_dropout=0.0,
+            target_modules=cfg["lora_target_modules"], task_type="CAUSAL_LM",
+        ))
+    dataset = Dataset.from_dict({"input_ids": [e.ids for e in flat], "labels": [e.labels for e in flat]})
+    kw = cfg["lr_scheduler_kwargs"]
+    padfree = mode in ("trl-padfree", "trl-liger")
+    args = SFTConfig(
+        output_dir=str(run / "trl-out"), max_steps=cfg["max_steps"],
+        per_device_train_batch_size=cfg["micro_batch_size"], gradient_accumulation_steps=1,
+        learning_rate=cfg["learning_rate"], weight_decay=cfg["weight_decay"], max_grad_norm=cfg["max_grad_norm"],
+        optim="adamw_torch_fused" if cuda else "adamw_torch", lr_scheduler_type="warmup_stable_decay",
+        warmup_steps=cfg["warmup_steps"],
+        lr_scheduler_kwargs={k: kw[k] for k in ("num_stable_steps", "num_decay_steps", "warmup_type", "decay_type",
+                                                "min_lr_ratio")},
+        bf16=bf16, fp16=False, tf32=True if cuda else None, gradient_checkpointing=False, use_cpu=not cuda,
+        seed=cfg["seed"], logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none",
+        disable_tqdm=True, dataloader_num_workers=0, train_sampling_strategy="sequential",
+        dataloader_pin_memory=cuda, max_length=None if padfree else cfg["sequence_len"], padding_free=padfree,
+        use_liger_kernel=mode == "trl-liger",
+    )
+    marks: dict = {"ends": [], "losses": [], "micro": []}
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+            marks["ends"].append(time.perf_counter())
+            marks["losses"].append(sum(marks["micro"]))
+            marks["micro"].clear()
+
+    class Trainer(SFTTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            marks["micro"].append((loss[0] if isinstance(loss, tuple) else loss).detach())
+            return loss
+
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[Clock()])
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    trainer.train()
+    result.write_text(json.dumps({
+        "ends": [t - start for t in marks["ends"]],
+        "losses": [float(x) for x in marks["losses"]],
+        "peak_memory": torch.cuda.max_memory_allocated() if cuda else None,
+    }))
+
+
+def run_trl(run: Path, mode: str, device: str) -> dict:
+    out = run / f"{mode}.json"
+    out.unlink(missing_ok=True)
+    proc = subprocess.run([PY, __file__, "--worker", mode, "--run", str(run), "--device", device, "--result", str(out)],
+                          cwd=run, env=thread_env(os.cpu_count() or 1), capture_output=True, text=True)
+    if proc.returncode != 0 or not out.exists():
+        lines = [x for x in proc.stderr.strip().splitlines() if x.strip()] or [f"exit {proc.returncode}"]
+        raise RuntimeError(lines[-1][:300])
+    return json.loads(out.read_text())
+
+
+# --- measuring -----------------------------------------------------------------------------
+
+
+def steady(ends: list[float], per_step: list[float], skip: int) -> float:
+    """Per second over the steps after `skip`: sum(per_step[skip:]) / their time."""
+    if len(ends) <= skip + 1:
+        skip = 0
+    elapsed = ends[-1] - (ends[skip - 1] if skip else 0.0)
+    return sum(per_step[skip:len(ends)]) / max(elapsed, 1e-9)
+
+
+def contender(name: str, case: dict, run: Path, cfg: dict, args, peak: float) -> dict:
+    steps = batches(run, cfg)
+    useful = [float(sum(len(e.ids) for e in step)) for step in steps]
+    flops = step_flops(case["shape"], case["adapter"], steps)
+    row = {"case": case["name"], "contender": name}
+    try:
+        if name.startswith("builtin"):
+            set_liger(run, name == "builtin-liger")
+            got = run_builtin(run, os.cpu_count() or 1)
+            lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+            memory = max((x.get("memory", 0) for x in lines if "step" in x), default=0) or None
+            got["peak_memory"] = memory
+        else:
+            got = run_trl(run, name, args.device)
+    except (RuntimeError, SystemExit) as e:
+        row["error"] = str(e).strip().splitlines()[-1][:300]
+        return row
+    row["tokens_per_s"] = round(steady(got["ends"], useful, args.skip), 1)
+    row["mfu"] = round(steady(got["ends"], flops, args.skip) / peak, 4)
+    row["peak_memory_gib"] = round(got["peak_memory"] / 2**30, 2) if got.get("peak_memory") else None
+    row["losses"] = got["losses"]
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer model of the same vocabulary, few steps: a dry run")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--skip", type=int, default=None, help="steps left out of the rates (compile, warmup)")
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--chats", type=int, default=None)
+    ap.add_argument("--min-len", type=int, default=64)
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--only", default="", help="comma-separated case names (1.7b-lora, 1.7b-full, 135m-lora, 135m-full)")
+    ap.add_argument("--no-pytest", action="store_true")
+    ap.add_argument("--worker"), ap.add_argument("--run"), ap.add_argument("--result")
+    args = ap.parse_args()
+    if args.worker:
+        worker_trl(Path(args.run), args.worker, args.device, Path(args.result))
+        return 0
+    # the trainer's process imports overbrainer from this checkout (installed or not)
+    os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH")) if x)
+    tiny = args.tiny
+    args.steps = args.steps or (6 if tiny else 20)
+    args.skip = args.skip if args.skip is not None else (2 if tiny else 5)
+    args.batch = args.batch or (2 if tiny else 16)
+    args.chats = args.chats or args.steps * args.batch
+    if tiny:
+        args.max_len = min(args.max_len, 256)
+
+    import torch
+    import transformers
+
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        print("gpu.py: --device cuda, but torch sees no GPU; use --device cpu --tiny for a dry run", file=sys.stderr)
+        return 2
+    try:
+        import liger_kernel  # noqa: F401
+
+        liger = cuda
+    except ImportError:
+        liger = False
+    print(f"# {torch.cuda.get_device_name() if cuda else 'CPU'}; torch {torch.__version__}, transformers "
+          f"{transformers.__version__}; liger {'available' if liger else 'not available here'}")
+    peak = matmul_peak(args.device)
+    print(f"# bf16 matmul peak, measured: {peak / 1e12:.1f} TFLOP/s")
+
+    shapes = ["tiny"] if tiny else ["1.7b", "135m"]
+    cases = [{"name": f"{s}-{a}", "shape": s, "adapter": a} for s in shapes for a in ("lora", "full")]
+    if args.only:
+        cases = [c for c in cases if c["name"] in args.only.split(",")]
+    elif not tiny:
+        cases = [c for c in cases if c["name"] != "135m-full"]  # no goal names it; the 8 minutes are short
+    rows = []
+    for case in cases:
+        run, cfg = prepare(case, args)
+        names = ["builtin", "trl", "trl-padfree"]
+        if liger:
+            names[1:1] = ["builtin-liger"]
+            names.append("trl-liger")
+        if case["shape"] != shapes[0] or case["adapter"] == "full":
+            # the goal's case runs every contender; the others the built-in's default and TRL's padding-free
+            names = [n for n in names if n in ("builtin", "trl-padfree")]
+        for name in names:
+            t = time.monotonic()
+            row = contender(name, case, run, cfg, args, peak)
+            row["wall_s"] = round(time.monotonic() - t, 1)
+            rows.append(row)
+            print(f"  {case['name']:10} {name:14} " + (f"failed: {row['error']}" if "error" in row else
+                  f"{row['tokens_per_s']:>10.0f} tok/s  MFU {row['mfu']:.1%}  peak {row['peak_memory_gib']} GiB"
+                  f"  ({row['wall_s']} s)"), flush=True)
+    report = summarize(rows)
+    print(report["table"])
+    for line in report["goals"]:
+        print(line)
+    if not args.no_pytest:
+        proc = subprocess.run([PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_gpu.py"],
+                              cwd=REPO, capture_output=True, text=True)
+        tail = (proc.stdout.strip().splitlines() or proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        print(f"# pytest -m gpu: exit {proc.returncode}: {tail}")
+        report["pytest"] = {"exit": proc.returncode, "tail": (proc.stdout + proc.stderr)[-3000:]}
+    if os.environ.get("OUT"):
+        path = Path(os.environ["OUT"]) / "gpu.json"
+        path.write_text(json.dumps({"device": args.device, "peak_flops": peak, "rows": rows, **report}, indent=1))
+        print(f"# results: {path}")
+    return 0
+
+
+def summarize(rows: list[dict]) -> dict:
+    """The table (with each contender's loss difference from the built-in's on the same
+    batches) and the goals' ratios."""
+    out, goals = [], []
+    for row in rows:
+        ref = next((r for r in rows if r["case"] == row["case"] and r["contender"] == "builtin" and "losses" in r), None)
+        if "losses" in row and ref:
+            diffs = [abs(a - b) / max(abs(b), 1e-9) for a, b in zip(row["losses"], ref["losses"])]
+            row["loss_diff"] = round(max(diffs), 5) if diffs else None
+    header = "| case | contender | useful tok/s | MFU | peak GiB | max rel. loss diff vs builtin |\n|---|---|---|---|---|---|"
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['case']} | {r['contender']} | failed: {r['error']} | | | |")
+        else:
+            out.append(f"| {r['case']} | {r['contender']} | {r['tokens_per_s']:.0f} | {r['mfu']:.1%} | "
+                       f"{r['peak_memory_gib']} | {r.get('loss_diff')} |")
+    for case in dict.fromkeys(r["case"] for r in rows):
+        ok = [r for r in rows if r["case"] == case and "error" not in r]
+        ours = max((r for r in ok if r["contender"].startswith("builtin")), key=lambda r: r["tokens_per_s"], default=None)
+        theirs = max((r for r in ok if r["contender"].startswith("trl")), key=lambda r: r["tokens_per_s"], default=None)
+        if ours and theirs:
+            memory = (f", peak memory {ours['peak_memory_gib']} vs {theirs['peak_memory_gib']} GiB"
+                      if ours.get("peak_memory_gib") and theirs.get("peak_memory_gib") else "")
+            goals.append(f"# {case}: {ours['contender']} {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x "
+                         f"{theirs['contender']} (TRL's best) in useful tokens/s, MFU {ours['mfu']:.1%}{memory}")
+    return {"table": header + "\n" + "\n".join(out), "goals": goals}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Where the built-in trainer computes: the device, its number formats, and its memory.
+
+``train.device`` (config.yaml ``device``) is resolved here, in the trainer's own process:
+"auto" is CUDA when torch sees a GPU, then Apple mps, else the CPU; under torchrun each
+process takes GPU ``LOCAL_RANK``. What cannot run says so in one line (`Unavailable`):
+the config step asks the same questions first (`problems`), so a plan that names a GPU
+the machine lacks is refused before anything trains.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+
+import torch
+
+# cuBLAS's deterministic mode needs a fixed workspace, set before its first call (the
+# trainer's environment carries it; `setup` sets it too, before touching CUDA)
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+class Unavailable(Exception):
+    """The plan asks for hardware or a library this machine lacks: one line, exit 2."""
+
+
+def problems(device: str, processes: int = 1, adapter: str = "lora", liger: bool = False) -> list[str]:
+    """What this machine cannot do of what the plan asks, one line each (empty: all can)."""
+    out = []
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.startswith("cuda") and not gpus:
+        out.append(f'train.device: "{device}", but torch sees no CUDA GPU here '
+                   f"(torch {torch.__version__}{'' if torch.version.cuda else ', a CPU-only build'}); "
+                   'set train.device to "auto" or "cpu", or install a CUDA build of torch')
+    elif device.startswith("cuda:") and int(device.split(":")[1]) >= gpus:
+        out.append(f'train.device: "{device}", but this machine has {gpus} GPU(s) (cuda:0 to cuda:{gpus - 1}); '
+                   "name one of those")
+    elif device == "mps" and not torch.backends.mps.is_available():
+        out.append('train.device: "mps", but torch sees no Apple GPU here; set train.device to "auto" or "cpu"')
+    on_cuda = gpus > 0 and (device in ("auto", "cuda") or device.startswith("cuda:"))
+    if on_cuda and processes > gpus:
+        out.append(f"train.processes: {processes}, but this machine has {gpus} GPU(s) and each process takes "
+                   f'one; set train.processes to at most {gpus}, or train.device "cpu" for CPU processes')
+    if adapter == "qlora":
+        why = bitsandbytes_problem("cuda" if on_cuda else "cpu")
+        if why:
+            out.append(f'train.adapter: "qlora" cannot run here: {why}; use adapter "lora" '
+                       "(or install bitsandbytes>=0.46: pip install 'overbrainer[gpu]')")
+    if liger:
+        if not on_cuda:
+            out.append("train.liger: Liger Kernel runs on a CUDA GPU only (Triton kernels), and this run trains "
+                       "on the CPU; set train.liger to false")
+        else:
+            try:
+                import liger_kernel.transformers  # noqa: F401
+            except ImportError as e:
+                out.append(f"train.liger: liger_kernel cannot be imported ({e}); pip install liger-kernel, "
+                           "or set train.liger to false")
+    return out
+
+
+def bitsandbytes_problem(device_type: str) -> str | None:
+    """Why bitsandbytes' NF4 cannot run on `device_type`, or None: it quantizes and
+    multiplies a small matrix there, in a child process (a broken native library can
+    crash its importer)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import torch, bitsandbytes as bnb, bitsandbytes.functional as F\n"
+        f"d = {device_type!r}\n"
+        "w = torch.randn(64, 64, device=d, dtype=torch.bfloat16)\n"
+        "q, s = F.quantize_4bit(w, quant_type='nf4')\n"
+        "bnb.matmul_4bit(torch.randn(2, 64, device=d, dtype=torch.bfloat16), q.t(), quant_state=s)\n"
+    )
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "bitsandbytes' probe did not finish in 2 minutes"
+    if out.returncode == 0:
+        return None
+    lines = [x for x in out.stderr.strip().splitlines() if x.strip()]
+    last = lines[-1] if lines else f"exit code {out.returncode}"
+    if "No module named 'bitsandbytes'" in last:
+        return "bitsandbytes is not installed"
+    return f"bitsandbytes fails on {device_type} ({last[:200]})"
+
+
+def pick(setting: str, local_rank: int = 0) -> torch.device:
+    """The torch device for train.device `setting` (one process of several: its own GPU)."""
+    if setting == "auto":
+        if torch.cuda.is_available():
+            setting = "cuda"
+        elif torch.backends.mps.is_available():
+            setting = "mps"
+        else:
+            setting = "cpu"
+    if setting == "cuda":
+        setting = f"cuda:{local_rank}"
+    found = problems(setting)
+    if found:
+        raise Unavailable(found[0])
+    device = torch.device(setting)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def use_bf16(setting, device: torch.device) -> bool:
+    """Whether to compute in bfloat16: the plan's true or false, or "auto": on a CUDA GPU
+    that computes it natively. On the CPU, "auto" stays float32: set true to use a
+    CPU's AVX512-BF16 or AMX (its results differ from float32's, as a GPU's do)."""
+    if setting != "auto":
+        return bool(setting)
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
+def configure(device: torch.device, deterministic: bool, tf32: bool) -> None:
+    """Process-wide numerics: deterministic kernels when asked (their cost: cuBLAS's fixed
+    workspace and no split-K reductions, typically 5-20% on a GPU), TF32 for fp32 matmuls."""
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    if device.type == "cuda" and tf32:
+        # the one spelling that works on torch 2.4 to 2.13 (the old and new flags must not mix)
+        torch.set_float32_matmul_precision("high")
+
+
+def compute(bf16: bool, device: torch.device):
+    """Where the forward pass runs: autocast to bf16 on the training device (matmuls in
+    bf16, sums and softmax in float32), or plain float32."""
+    if not bf16:
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def to_device(inputs: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A batch onto the device: on CUDA from pinned memory, without waiting (the copy
+    overlaps what the GPU still has queued; nothing reads the host tensors after)."""
+    if device.type != "cuda":
+        return inputs if device.type == "cpu" else {k: v.to(device) for k, v in inputs.items()}
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in inputs.items()}
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> int:
+    """Bytes: the most this process has held (allocated on a GPU, RSS on the CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, torch.cuda.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "out of memory" in str(error) and "CUDA" in str(error)
+    )

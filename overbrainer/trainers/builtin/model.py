@@ -1,0 +1,189 @@
+"""The model the built-in trainer trains: loaded, adapted, placed, and its loss.
+
+``load_model`` builds it as config.yaml says: the base from its folder (in 4-bit NF4 for
+QLoRA), LoRA on top, on the training device, with gradient checkpointing, compiled
+decoder layers and Liger's kernels when asked. ``token_loss`` is the summed cross-entropy
+the loop normalizes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..examples import IGNORE, tokenizer_settings
+
+
+def load_model(cfg: dict, device: torch.device, bf16: bool):
+    """(model, tokenizer): the model on `device`, its trained parameters in float32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    base = cfg["base_model"]
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    for key, value in tokenizer_settings(cfg).items():
+        setattr(tokenizer, key, value)
+    adapter = cfg.get("adapter")
+    # a LoRA's base is frozen: in bf16 it is read as it is (no cast per step, half the
+    # memory); the adapter and its optimizer stay float32, as every trained weight does
+    dtype = torch.bfloat16 if bf16 and adapter else torch.float32
+    extra = {}
+    if adapter == "qlora":
+        from transformers import BitsAndBytesConfig
+
+        # the quantized matmuls compute in bf16 where the device has it (QLoRA's recipe)
+        compute_dtype = torch.bfloat16 if bf16 or device.type == "cpu" else torch.float32
+        extra = dict(
+            quantization_config=BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype,
+                bnb_4bit_use_double_quant=True,
+            ),
+            device_map={"": device},
+        )
+        dtype = torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(
+        base, dtype=dtype, attn_implementation="sdpa", trust_remote_code=bool(cfg.get("trust_remote_code")), **extra
+    )
+    model.config.use_cache = False
+    if adapter == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        # freezes the base and keeps its norms, embeddings and output layer in float32;
+        # checkpointing is ours to turn on (below), as for any other adapter
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        _keep_cpu_layout(model)
+    elif device.type != "cpu":
+        model.to(device)
+    if cfg.get("liger_fused_linear_cross_entropy") or cfg.get("liger_rms_norm"):
+        apply_liger(model, cfg)
+    if cfg.get("gradient_checkpointing"):
+        enable_checkpointing(model)
+    if adapter:
+        from peft import LoraConfig, get_peft_model
+
+        settings = LoraConfig(
+            r=cfg["lora_r"],
+            lora_alpha=cfg["lora_alpha"],
+            lora_dropout=cfg["lora_dropout"],
+            target_modules=cfg["lora_target_modules"],
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, settings)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    if cfg.get("torch_compile"):
+        # each decoder layer in place (its state_dict keys unchanged: checkpoints load as
+        # ever); lengths vary from step to step, so shapes are dynamic from the start
+        for layer in decoder_layers(model):
+            layer.compile(dynamic=True)
+    return model, tokenizer
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    return list(transformers_model(model).get_decoder().layers)
+
+
+def enable_checkpointing(model) -> None:
+    """Recompute each layer's activations in the backward (non-reentrant: right with a
+    frozen base, DDP and compiled layers). transformers 5.24 renamed the method."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    name = "activation_checkpointing_kwargs" if enable.__name__.startswith("activation") else "gradient_checkpointing_kwargs"
+    enable(**{name: {"use_reentrant": False}})
+
+
+def _keep_cpu_layout(model) -> None:
+    """bitsandbytes repacks a 4-bit weight for its CPU kernel the first time it runs in
+    eval mode, and its backward does not go through that layout: keep the trained one."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def apply_liger(model, cfg: dict) -> None:
+    """Liger Kernel's RMSNorm, RoPE and SwiGLU, patched into this model's modules (the
+    fused linear cross-entropy is `token_loss`'s: it never materializes the logits)."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(
+        model=model, rope=bool(cfg.get("liger_rope")), rms_norm=bool(cfg.get("liger_rms_norm")),
+        swiglu=bool(cfg.get("liger_glu_activation")), cross_entropy=False, fused_linear_cross_entropy=False,
+    )
+
+
+class TokenLoss:
+    """The summed cross-entropy over the positions that have a label.
+
+    The output layer runs only where loss is taken: with assistant-only loss that is a
+    fraction of the positions, and the vocabulary projection is the largest matmul of a
+    small model. With Liger (`fused`), the projection and the loss are one kernel over
+    chunks, and the logits are never held at all.
+
+    With right padding and a causal mask, a real token never attends to a pad (pads come
+    after it), so the attention mask is dropped (`mask=False`): exact on every position
+    that has a label, and sdpa may pick its flash kernel, which takes no mask.
+    """
+
+    def __init__(self, fused: bool = False, mask: bool = True):
+        self.fused, self.mask = fused, mask
+        if fused:
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+            self.flce = LigerFusedLinearCrossEntropyLoss(reduction="sum", accum_dtype=torch.float32)
+
+    def __call__(self, decoder, inputs: dict) -> torch.Tensor:
+        """`decoder`: a `Decoder`, or DDP's wrapper of one (its hooks sit on the wrapper's forward)."""
+        hidden = decoder(inputs["input_ids"], inputs["attention_mask"] if self.mask else None)
+        targets = inputs["labels"][:, 1:]
+        where = targets != IGNORE
+        head = getattr(decoder, "module", decoder).head
+        kept = hidden[:, :-1][where]
+        if self.fused:
+            # Liger's kernel is an autograd function autocast does not reach: the weight in
+            # the hidden states' dtype (bf16 under autocast), as autocast would cast it
+            weight = head.weight if head.weight.dtype == kept.dtype else head.weight.to(kept.dtype)
+            return self.flce(weight, kept, targets[where])
+        return F.cross_entropy(head(kept).float(), targets[where], reduction="sum")
+
+
+def transformers_model(model):
+    """The transformers model inside a PEFT model (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+class Decoder(torch.nn.Module):
+    """The model as the loop runs it: its forward is the decoder's, to the last hidden
+    states; the output layer (`head`) is the loss's, applied where there are labels. A
+    module of its own, so that DDP wraps exactly what the loop calls."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model  # the PEFT model or the plain one: what is saved and merged
+        self.head = transformers_model(model).get_output_embeddings()
+
+    def forward(self, input_ids, attention_mask=None):
+        decoder = transformers_model(self.model).get_decoder()
+        return decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def load_weights(model, folder: Path, cfg: dict) -> None:
+    """Put a checkpoint's trained weights into the freshly built model, exactly."""
+    if cfg.get("adapter"):
+        from peft import set_peft_model_state_dict
+        from peft.utils import load_peft_weights
+
+        result = set_peft_model_state_dict(model, load_peft_weights(str(folder), device="cpu"))
+        unexpected = getattr(result, "unexpected_keys", [])
+        if unexpected:
+            raise RuntimeError(f"{folder}: adapter weights do not fit the model: {unexpected[:3]}")
+    else:
+        from safetensors.torch import load_file
+
+        state = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            state.update(load_file(f))
+        model.load_state_dict(state, strict=False)

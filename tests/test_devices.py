@@ -1,0 +1,177 @@
+"""The built-in trainer's device settings on the CPU: train.device, deterministic, gradient
+checkpointing, QLoRA (bitsandbytes' CPU backend), and hardware the machine lacks refused
+before anything is written. What needs a GPU is in test_gpu.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import make_project
+from helpers import bake_json, cli
+from test_distributed import metric_lines
+from test_resume import kill_bake_at
+
+from overbrainer.errors import PlanError
+from overbrainer.inputs.sizing import GiB, Shape, estimate
+from overbrainer.plan import TrainSettings
+
+FINAL = "checkpoints/step-000008"
+
+
+def cuda_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def meta(folder: Path) -> dict:
+    return json.loads((folder / FINAL / "meta.json").read_text())
+
+
+@pytest.mark.skipif("cuda_here()", reason="on a GPU machine auto is cuda")
+def test_device_cpu_given_and_deterministic_change_nothing_on_cpu(project, references):
+    """device "cpu" named, deterministic kernels on: the same bits as the default (auto is
+    the CPU here), and the device in the checkpoint's sidecar and in run.json."""
+    reference = references.folder()
+    project.write(device="cpu", deterministic=True)
+    report = bake_json(str(project.plan_path))
+    folder = Path(report["folder"])
+    assert "8 steps of 2x2 on cpu" in (folder / "log.txt").read_text()
+    assert meta(folder)["device"] == "cpu" and meta(reference)["device"] == "cpu"
+    assert json.loads((folder / "run.json").read_text())["device"] == "cpu"
+    final = "checkpoints/step-000008/adapter_model.safetensors"
+    assert (folder / final).read_bytes() == (reference / final).read_bytes()
+
+
+def test_gradient_checkpointing_gives_the_same_losses(references):
+    plain = references.folder(lora_dropout=0.0)
+    checkpointed = references.folder(lora_dropout=0.0, gradient_checkpointing=True)
+    for a, b in zip(metric_lines(plain), metric_lines(checkpointed), strict=True):
+        assert a["tokens"] == b["tokens"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
+        assert (b.get("eval_loss") is None) == (a.get("eval_loss") is None)
+
+
+@pytest.mark.parametrize("train, says", [
+    pytest.param({"device": "cuda"}, 'train.device: "cuda", but torch sees no CUDA GPU here', id="cuda"),
+    pytest.param({"liger": True}, "train.liger: Liger Kernel runs on a CUDA GPU only", id="liger"),
+])
+def test_hardware_the_machine_lacks_is_one_line_before_anything_is_written(project, tmp_path, train, says):
+    if cuda_here():
+        pytest.skip("this machine has a GPU")
+    project.write(**train)
+    proc = cli("bake", str(project.plan_path), "--runs", str(tmp_path / "runs"), check=2)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    written = {p.name for p in (tmp_path / "runs" / "tiny").iterdir() if not p.name.startswith(".")}
+    assert "examples.parquet" not in written and "config.yaml" not in written and "plan.json" in written
+
+
+def test_qlora_trains_merges_and_resumes_on_cpu(tmp_path):
+    """NF4 base + LoRA through bitsandbytes' CPU backend: trained, merged into a 16-bit
+    model, and a SIGKILL in the middle resumes to the same bits."""
+    pytest.importorskip("bitsandbytes")
+    from tiny import make_tiny_llama
+
+    # bitsandbytes quantizes in blocks of 64 weights: a row must hold one at least
+    base = make_tiny_llama(tmp_path / "tiny64", hidden=64)
+    project = make_project(tmp_path / "project", base)
+    project.write(adapter="qlora", lora_dropout=0.0)
+    done = Path(bake_json(str(project.plan_path), "--runs", str(tmp_path / "runs"))["folder"])
+    assert meta(done)["adapter"] == "qlora"
+    lines = metric_lines(done)
+    assert lines[-1]["eval_loss"] < lines[3]["eval_loss"]  # it learns
+    from safetensors import safe_open
+
+    with safe_open(done / "merged" / "model.safetensors", "pt") as f, \
+            safe_open(base / "model.safetensors", "pt") as b:
+        name = next(k for k in f.keys() if "q_proj" in k)
+        merged, original = f.get_tensor(name), b.get_tensor(name)
+    assert str(merged.dtype) == "torch.bfloat16"
+    assert not (merged.float() - original.bfloat16().float()).abs().max() == 0  # the adapter is in it
+
+    killed = tmp_path / "killed"
+    kill_bake_at(killed, project.plan_path, 5)
+    again = Path(bake_json(str(project.plan_path), "--runs", str(killed))["folder"])
+    assert "resuming from step-000003" in (again / "log.txt").read_text()
+    final = f"{FINAL}/adapter_model.safetensors"
+    assert (again / final).read_bytes() == (done / final).read_bytes()
+
+
+def test_how_it_computes_is_not_what_it_trains(baked_copy):
+    """Gradient checkpointing or another device changes how the steps are computed, not
+    the run: a finished bake stays done (config.yaml is rewritten, nothing retrains)."""
+    project = baked_copy()
+    project.write(gradient_checkpointing=True, device="cpu", deterministic=True)
+    report = bake_json(str(project.plan_path))
+    assert "config" in report["ran"] and "train" not in report["ran"], report
+    assert "gradient_checkpointing: true" in (Path(report["folder"]) / "config.yaml").read_text()
+
+
+# -- what is checked without training ------------------------------------------------------
+
+
+def test_processes_must_share_a_step_equally():
+    with pytest.raises(ValueError, match="cannot be shared equally by 2 processes"):
+        TrainSettings(processes=2, gradient_accumulation_steps=3)
+    with pytest.raises(ValueError, match='set device to "cuda"'):
+        TrainSettings(processes=2, gradient_accumulation_steps=2, device="cuda:1")
+    with pytest.raises(ValueError, match="set rendezvous"):
+        TrainSettings(nodes=2, gradient_accumulation_steps=2)
+    TrainSettings(processes=2, nodes=2, gradient_accumulation_steps=4, rendezvous="node0:29400")
+
+
+def test_a_misspelled_device_names_the_field(project):
+    from overbrainer.plan import load_plan
+
+    project.write(device="gpu")
+    with pytest.raises(PlanError) as e:
+        load_plan(project.plan_path)
+    assert "train.device" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_several_machines_meet_at_the_rendezvous():
+    from overbrainer.trainers.builtin import Builtin
+
+    (command,) = Builtin(processes=8, nodes=2, rendezvous="node0:29400", run_id="demo").commands()
+    assert command[:3] == ["python", "-m", "torch.distributed.run"]
+    assert {"--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29400",
+            "--rdzv-id=demo"} <= set(command)
+    assert Builtin(deterministic=True).env("/")["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+def test_sizing_counts_bf16_qlora_checkpointing_and_the_gpu():
+    # SmolLM2-135M's shape (on the tiny model the float32 embeddings QLoRA keeps outweigh
+    # what 4 bits save on its small linears)
+    h, i, kv, layers, vocab = 576, 1536, 192, 30, 49152
+    modules = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+               "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    shape = Shape(params=134_515_008, hidden=h, layers=layers, heads=9, kv=kv, intermediate=i, vocab=vocab,
+                  modules=modules)
+    common = dict(lora=True, lora_r=8, targets=["q_proj", "v_proj"], micro_batch_size=4,
+                  gradient_accumulation_steps=1, sequence_len=512, total_memory=64 * GiB)
+    fp32 = estimate(shape, device="cpu", **common)
+    bf16 = estimate(shape, device="cpu", bf16=True, **common)
+    qlora = estimate(shape, device="cpu", bf16=True, qlora=True, **common)
+    checkpointed = estimate(shape, device="cpu", gradient_checkpointing=True, **common)
+    gpu = estimate(shape, device="cuda", bf16="auto", **common)
+    assert qlora.weights < bf16.weights < fp32.weights
+    assert bf16.activations < fp32.activations and checkpointed.activations < fp32.activations
+    assert gpu.activations < bf16.activations  # bf16 by "auto", and sdpa keeps no scores
+    assert gpu.runtime > fp32.runtime  # the CUDA context
+
+
+def test_out_of_memory_is_one_line_with_the_step_the_peak_and_what_to_lower():
+    import torch
+
+    from overbrainer.trainers.builtin.loop import OOM_EXIT, out_of_memory
+
+    t = SimpleNamespace(device=torch.device("cpu"), saved_step=6, step=7, cfg={"max_steps": 8})
+    error = out_of_memory(t)
+    message = str(error)
+    assert error.code == OOM_EXIT and "\n" not in message
+    assert "at step 8 of 8" in message and "step-000006 is intact" in message
+    assert "train.micro_batch_size" in message and "train.gradient_checkpointing" in message

@@ -1,0 +1,106 @@
+"""The built-in trainer on a CUDA GPU: ``pytest -m gpu`` (skipped where torch sees none).
+
+The tiny models train in seconds there too; these check that the work really is on the
+GPU, that bf16 and QLoRA run, that two GPUs share a step as one does, and that a SIGKILL
+under train.deterministic resumes to the same bits."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import make_project
+from helpers import bake_json
+from test_distributed import metric_lines
+from test_resume import kill_bake_at
+
+pytestmark = pytest.mark.gpu
+
+FINAL = "checkpoints/step-000008"
+
+
+def gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def meta(folder: Path) -> dict:
+    return json.loads((folder / FINAL / "meta.json").read_text())
+
+
+def test_parameters_and_batches_are_on_the_gpu(project, tmp_path):
+    """The loop's own pieces, in this process: the model built from config.yaml, a batch
+    moved as the loop moves it, and the loss computed there."""
+    project.write(device="cuda")
+    folder = Path(bake_json(str(project.plan_path))["folder"])
+    assert meta(folder)["device"] == "cuda:0" and meta(folder)["bf16"] is True  # "auto" on a bf16 GPU
+    assert "on cuda:0, computing in bf16" in (folder / "log.txt").read_text()
+    probe = f"""
+import sys, yaml, torch
+from pathlib import Path
+from overbrainer.trainers.builtin import device as hw
+from overbrainer.trainers.builtin.model import Decoder, TokenLoss, load_model
+from overbrainer.trainers.examples import collate, load_examples
+cfg = yaml.safe_load(Path({str(folder / 'config.yaml')!r}).read_text())
+dev = hw.pick("cuda")
+model, tok = load_model(cfg, dev, bf16=True)
+assert all(p.device.type == "cuda" for p in model.parameters())
+assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+train, _, _ = load_examples(Path({str(folder / 'examples.parquet')!r}), tok, 96)
+batch = hw.to_device(collate(train[:2], tok.pad_token_id), dev)
+assert all(v.device.type == "cuda" for v in batch.values())
+with hw.compute(True, dev):
+    loss = TokenLoss(mask=False)(Decoder(model), batch)
+assert loss.device.type == "cuda"
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+def test_bf16_off_trains_in_float32_and_differs(project, tmp_path):
+    project.write(device="cuda", bf16=False)
+    fp32 = Path(bake_json(str(project.plan_path), "--runs", str(tmp_path / "fp32"))["folder"])
+    project.write(device="cuda", bf16=True)
+    bf16 = Path(bake_json(str(project.plan_path), "--runs", str(tmp_path / "bf16"))["folder"])
+    assert meta(fp32)["bf16"] is False and meta(bf16)["bf16"] is True
+    for a, b in zip(metric_lines(fp32), metric_lines(bf16), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2)
+
+
+def test_qlora_trains_and_merges_on_the_gpu(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from tiny import make_tiny_llama
+
+    base = make_tiny_llama(tmp_path / "tiny64", hidden=64)
+    project = make_project(tmp_path / "project", base)
+    project.write(adapter="qlora", device="cuda")
+    folder = Path(bake_json(str(project.plan_path))["folder"])
+    assert meta(folder)["adapter"] == "qlora" and meta(folder)["device"] == "cuda:0"
+    assert (folder / "merged" / "model.safetensors").is_file() and (folder / "baked").is_dir()
+
+
+@pytest.mark.skipif("gpus() < 2", reason="needs 2 GPUs")
+def test_two_gpus_match_one(project, tmp_path):
+    project.write(device="cuda", lora_dropout=0.0, bf16=False)
+    one = Path(bake_json(str(project.plan_path), "--runs", str(tmp_path / "one"))["folder"])
+    project.write(processes=2)
+    two = Path(bake_json(str(project.plan_path), "--runs", str(tmp_path / "two"))["folder"])
+    assert meta(two)["world_size"] == 2
+    for a, b in zip(metric_lines(one), metric_lines(two), strict=True):
+        assert a["tokens"] == b["tokens"] and b["loss"] == pytest.approx(a["loss"], rel=1e-3)
+
+
+def test_sigkill_and_resume_is_bitwise_under_deterministic(project, tmp_path):
+    project.write(device="cuda", deterministic=True)
+    whole = Path(bake_json(str(project.plan_path), "--runs", str(tmp_path / "whole"))["folder"])
+    killed = tmp_path / "killed"
+    kill_bake_at(killed, project.plan_path, 5)
+    again = Path(bake_json(str(project.plan_path), "--runs", str(killed))["folder"])
+    assert "resuming from step-" in (again / "log.txt").read_text()
+    final = f"{FINAL}/adapter_model.safetensors"
+    assert (again / final).read_bytes() == (whole / final).read_bytes()
