@@ -20,7 +20,7 @@ from . import faults
 
 __all__ = [
     "NO_METRICS_EXIT", "METRICS", "LOG", "STOP", "STOPPED", "TRAINER_ERROR", "META", "now", "die_with_parent", "write_atomic", "write_json", "read_json",
-    "fsync_dir", "fsync_tree", "has_metric_line", "truncate_metrics", "phase_of", "run_commands",
+    "fsync_dir", "fsync_tree", "log_line", "append_log", "has_metric_line", "truncate_metrics", "phase_of", "run_commands",
 ]
 
 NO_METRICS_EXIT = 86  # the job ended well but wrote no metric line (its plugin did not load)
@@ -105,6 +105,16 @@ def fsync_tree(folder: Path) -> None:
         fsync_dir(Path(root))
 
 
+def log_line(message: str) -> str:
+    """A line the supervisor writes into a run's log.txt between the trainer's own output."""
+    return f"--- {now()} {message}\n"
+
+
+def append_log(log: Path, message: str) -> None:
+    with open(log, "a") as f:
+        f.write(log_line(message))
+
+
 # -- metrics.jsonl -------------------------------------------------------------------------
 
 
@@ -177,7 +187,7 @@ def run_commands(
         program, *args = command
         argv = [sys.executable if program == "python" else program, *args]
         with open(log, "ab") as out:
-            out.write(f"--- {now()} {' '.join(argv)}\n".encode())
+            out.write(log_line(" ".join(argv)).encode())
             out.flush()
             proc = subprocess.Popen(argv, cwd=run_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)

@@ -39,7 +39,7 @@ from ..folder import EXPORT, IMPORTED, IMPORTED_USED, METRICS, RunFolder
 from ..fsio import Busy, exclusive, write_atomic
 from ..hashing import HashCache
 from ..portable import runner as jobfile
-from ..portable.common import now
+from ..portable.common import log_line, now
 
 __all__ = ["Received", "ImportRefused", "Imported", "receive", "import_result", "take_import", "local_have", "taken_up"]
 
@@ -194,7 +194,7 @@ def _put_in_place(tmp: Path, run_dir: Path, entries: list[str], listed: dict, lo
             if src.is_file():  # the job's output: after the run's own, never instead of it
                 with open(dst, "ab") as out, open(src, "rb") as f:
                     if log_header:
-                        out.write(f"--- {now()} {log_header}\n".encode())
+                        out.write(log_line(log_header).encode())
                     shutil.copyfileobj(f, out)
             continue
         if src.is_dir():

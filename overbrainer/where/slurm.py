@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import OverbrainerError, RunFailed
 from ..folder import RunFolder
-from ..portable.common import now, read_json, write_json
+from ..portable.common import append_log, now, read_json, write_json
 from ..trainers.protocol import Trainer
 from .bundle import FINGERPRINT_ENV
 
@@ -154,8 +154,7 @@ class Slurm:
 
     def note(self, log: Path, message: str) -> None:
         self.say(f"train: {message}")
-        with open(log, "a") as f:
-            f.write(f"--- {now()} {message}\n")
+        append_log(log, message)
 
     def run(self, trainer: Trainer, run_dir: Path, env: dict[str, str], log: Path,
             poll: Callable[[], None] = lambda: None) -> int:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import OverbrainerError, RunFailed
 from ..folder import LOG
-from ..portable.common import now, write_atomic
+from ..portable.common import append_log, log_line, write_atomic
 from ..trainers.protocol import Trainer
 from . import bundle, receive
 from .bundle import FINGERPRINT_ENV
@@ -146,8 +146,7 @@ class SSH:
     def note(self, log: Path, message: str) -> None:
         """Say it, and write it in the run's log (a detached bake says nothing)."""
         self.say(f"train: {message}")
-        with open(log, "a") as f:
-            f.write(f"--- {now()} {message}\n")
+        append_log(log, message)
 
     # -- the job -----------------------------------------------------------------------------
 
@@ -211,7 +210,7 @@ class SSH:
             return python
         self.say(f"train: installing {' '.join(spec)} on {self.dest} into {venv} (once)")
         with open(log, "ab") as out:
-            out.write(f"--- {now()} installing {' '.join(spec)} on {self.dest} into {venv}\n".encode())
+            out.write(log_line(f"installing {' '.join(spec)} on {self.dest} into {venv}").encode())
             out.flush()
             self.must(
                 f"rm -rf {q(venv)} && python3 -m venv {q(venv)} && {q(python)} -m pip install --quiet "
