@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import DEMO_DATA, REPO, TINY_PLAN  # noqa: E402,F401
+from helpers import DEMO_DATA, REPO, TINY_PLAN, Project, make_project  # noqa: E402,F401
 
 WHEELHOUSE = os.environ.get("OVERBRAINER_WHEELHOUSE")  # read before any fixture hides it
 from tiny import make_tiny_llama  # noqa: E402
@@ -51,17 +51,6 @@ def hermetic(tmp_path, monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama")
-
-
-
-
-def make_project(root: Path, tiny_model: Path) -> Project:
-    """A plan folder: the tiny model, 40 demo conversations, and a plan of 8 short steps."""
-    root.mkdir(parents=True)
-    shutil.copytree(tiny_model, root / "tiny")
-    lines = DEMO_DATA.read_text().splitlines()[:40]
-    (root / "chats.jsonl").write_text("\n".join(lines) + "\n")
-    return Project(root, json.loads(json.dumps(TINY_PLAN)))
 
 
 @pytest.fixture
@@ -110,23 +99,6 @@ def baked_copy(tmp_path, references):
         return Project(root, json.loads((root / "plan.json").read_text()), write=False)
 
     return make
-
-
-class Project:
-    def __init__(self, root: Path, plan: dict, write: bool = True):
-        self.root = root
-        self.plan = plan
-        if write:
-            self.write()
-
-    @property
-    def plan_path(self) -> Path:
-        return self.root / "plan.json"
-
-    def write(self, **train) -> Path:
-        self.plan.setdefault("train", {}).update(train)
-        self.plan_path.write_text(json.dumps(self.plan, indent=2))
-        return self.plan_path
 
 
 @pytest.fixture(scope="session")

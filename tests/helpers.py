@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -150,3 +151,29 @@ TINY_PLAN = {
         "lora_dropout": 0.1,
     },
 }
+
+
+class Project:
+    def __init__(self, root: Path, plan: dict, write: bool = True):
+        self.root = root
+        self.plan = plan
+        if write:
+            self.write()
+
+    @property
+    def plan_path(self) -> Path:
+        return self.root / "plan.json"
+
+    def write(self, **train) -> Path:
+        self.plan.setdefault("train", {}).update(train)
+        self.plan_path.write_text(json.dumps(self.plan, indent=2))
+        return self.plan_path
+
+
+def make_project(root: Path, tiny_model: Path) -> Project:
+    """A plan folder: the tiny model, 40 demo conversations, and a plan of 8 short steps."""
+    root.mkdir(parents=True)
+    shutil.copytree(tiny_model, root / "tiny")
+    lines = DEMO_DATA.read_text().splitlines()[:40]
+    (root / "chats.jsonl").write_text("\n".join(lines) + "\n")
+    return Project(root, json.loads(json.dumps(TINY_PLAN)))

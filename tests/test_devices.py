@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import make_project
+from helpers import make_project
 from helpers import bake_json, cli
 from test_distributed import metric_lines
 from test_resume import kill_bake_at

@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import make_project
+from helpers import make_project
 from helpers import REPO, cli, trainers_of
 
 from overbrainer.runtime.run import Run
