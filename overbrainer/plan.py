@@ -24,12 +24,12 @@ __all__ = ["Plan", "DataSource", "SlurmSettings", "SlurmTarget", "SplitSettings"
            "load_plan"]
 
 # What `bake.formats` may name; overbrainer/formats/ writes them. The gguf-<type> formats are
-# the types the `gguf` package quantizes to in pure Python, so no llama.cpp build is needed at
-# bake time (tests/test_formats.py keeps this list equal to what gguf.quants offers).
+# llama.cpp's file types: converted by its convert_hf_to_gguf.py, quantized by its
+# llama_model_quantize (formats/llama_cpp.py); the K-quants are the ones people run.
 BAKE_FORMATS = (
     "safetensors",
-    "gguf-f32", "gguf-f16", "gguf-bf16", "gguf-q8_0", "gguf-q5_1", "gguf-q5_0", "gguf-q4_1",
-    "gguf-q4_0", "gguf-mxfp4", "gguf-tq2_0", "gguf-tq1_0",
+    "gguf-f32", "gguf-f16", "gguf-bf16", "gguf-q8_0", "gguf-q6_k", "gguf-q5_k_m", "gguf-q4_k_m",
+    "gguf-q5_1", "gguf-q5_0", "gguf-q4_1", "gguf-q4_0", "gguf-mxfp4", "gguf-tq2_0", "gguf-tq1_0",
     "ollama",
     "adapter",
 )

@@ -25,7 +25,10 @@ def pytest_addoption(parser):
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked gpu run only where torch sees a CUDA GPU (torch is imported only when
-    one of them is collected)."""
+    one of them is collected). Tests marked llama_cpp run where llama.cpp's tools are built
+    (.venv/overbrainer-tools/, or $OVERBRAINER_LLAMA_CPP), or when ``-m`` names them (they
+    build it: ~12 minutes on 2 cores, too long for every fresh checkout)."""
+    _skip_unbuilt_llama_cpp(config, items)
     marked = [item for item in items if "gpu" in item.keywords]
     if not marked:
         return
@@ -34,6 +37,21 @@ def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is false)")
+    for item in marked:
+        item.add_marker(skip)
+
+
+def _skip_unbuilt_llama_cpp(config, items) -> None:
+    marked = [item for item in items if "llama_cpp" in item.keywords]
+    if not marked or "llama_cpp" in (config.getoption("-m") or ""):
+        return
+    from overbrainer.formats import llama_cpp as lc
+
+    tools = Path(os.environ.get(lc.ENV) or Path(__file__).resolve().parent.parent / ".venv" / "overbrainer-tools"
+                 / f"llama-cpp-python-{lc.LLAMA_CPP_PYTHON}")
+    if (tools / lc.MARKER).is_file():
+        return
+    skip = pytest.mark.skip(reason=f"llama.cpp is not built at {tools}; pytest -m llama_cpp builds it (~12 min on 2 cores)")
     for item in marked:
         item.add_marker(skip)
 

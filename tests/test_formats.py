@@ -11,7 +11,8 @@ import pytest
 from helpers import bake_json, cli
 
 from overbrainer.errors import OverbrainerError
-from overbrainer.formats import GGUF_TYPES, check_formats
+from overbrainer.formats import GGUF_TYPES, PYTHON_GGUF_TYPES, check_formats, python_writer_covers
+from overbrainer.formats.llama_cpp import CONVERT_TYPES, QUANTIZE_FTYPES
 from overbrainer.formats.gguf import llama_cpp_pre
 from overbrainer.formats.ollama import chatml_system, modelfile
 
@@ -26,7 +27,7 @@ FORMATS = ["safetensors", "gguf-f16", "gguf-q8_0", "ollama", "adapter"]
 # --- what may be asked for --------------------------------------------------------------------
 
 
-def test_gguf_types_are_those_gguf_quantizes_in_pure_python():
+def test_python_gguf_types_are_those_gguf_quantizes_in_pure_python():
     from gguf import GGMLQuantizationType, quants
 
     def numpy_quantizer(t):
@@ -36,7 +37,10 @@ def test_gguf_types_are_those_gguf_quantizes_in_pure_python():
         return cls is not None and not getattr(cls.quantize_blocks, "__isabstractmethod__", False)
 
     offered = {t.name.lower() for t in GGMLQuantizationType if numpy_quantizer(t)}
-    assert set(GGUF_TYPES) == offered
+    assert set(PYTHON_GGUF_TYPES) == offered
+    # the rest are llama.cpp's: made by its quantizer
+    assert set(GGUF_TYPES) - offered == {"q6_k", "q5_k_m", "q4_k_m"}
+    assert set(GGUF_TYPES) - set(CONVERT_TYPES) == set(QUANTIZE_FTYPES)
 
 
 def one_line_error(proc) -> str:
@@ -47,10 +51,10 @@ def one_line_error(proc) -> str:
 
 
 def test_unknown_format_is_a_plan_error(project, tmp_path):
-    project.plan["bake"] = {"formats": ["safetensors", "gguf-q4_k_m"]}
+    project.plan["bake"] = {"formats": ["safetensors", "gguf-q3_k_s"]}
     project.write()
     line = one_line_error(cli("bake", str(project.plan_path), check=2))
-    assert "plan.json:" in line and "bake.formats.1: unknown format 'gguf-q4_k_m'" in line
+    assert "plan.json:" in line and "bake.formats.1: unknown format 'gguf-q3_k_s'" in line
     assert "gguf-q8_0" in line  # the supported ones are listed
     assert not (tmp_path / "runs").exists()
 
@@ -63,22 +67,35 @@ def test_ollama_needs_a_gguf(project, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-def test_gguf_on_another_architecture_is_one_line():
-    qwen = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
+def test_gguf_of_an_architecture_llama_cpp_cannot_convert_is_one_line():
+    opt = {"model_type": "opt", "architectures": ["OPTForCausalLM"]}
     with pytest.raises(OverbrainerError) as e:
-        check_formats(["safetensors", "gguf-f16"], qwen)
+        check_formats(["safetensors", "gguf-f16"], opt)
     assert str(e.value) == (
-        "bake.formats: gguf-f16 is not supported for qwen2 models (supported: llama); "
+        "bake.formats: gguf-f16 is not supported for OPTForCausalLM models: llama.cpp's converter does not "
+        "know that architecture (supported: Llama (default and llama3 RoPE), Mistral, Qwen2/2.5, Qwen3, "
+        "Gemma 3, Phi-3, and the others in overbrainer/formats/llama_cpp_architectures.txt); "
         "remove it from bake.formats"
     )
-    check_formats(["safetensors", "adapter"], qwen)  # no GGUF asked: fine
+    check_formats(["safetensors", "adapter"], opt)  # no GGUF asked: fine
 
 
-def test_llama_variants_the_writer_cannot_carry_are_refused():
-    llama3 = {"model_type": "llama", "rope_parameters": {"rope_type": "llama3", "factor": 32.0}}
-    with pytest.raises(OverbrainerError, match="rope_type 'llama3'"):
-        check_formats(["gguf-q8_0"], llama3)
-    check_formats(["gguf-q8_0"], {"model_type": "llama", "rope_parameters": {"rope_type": "default"}})
+def test_each_tested_family_passes_the_config_step():
+    import transformers
+    from tiny import FAMILIES
+
+    for config_cls, model_cls, extra, *_ in FAMILIES.values():
+        config = getattr(transformers, config_cls)(**extra).to_dict()
+        config["architectures"] = [model_cls]
+        check_formats(["gguf-f16", "gguf-q4_k_m"], config)
+
+
+def test_plain_llama_goes_through_the_python_writer_and_the_rest_through_llama_cpp():
+    plain = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "rope_parameters": {"rope_type": "default"}}
+    llama3 = {**plain, "rope_parameters": {"rope_type": "llama3", "factor": 32.0}}
+    assert python_writer_covers(plain, "q8_0") and not python_writer_covers(plain, "q4_k_m")
+    assert not python_writer_covers(llama3, "q8_0") and not python_writer_covers({**plain, "mlp_bias": True}, "f16")
+    check_formats(["gguf-q8_0"], llama3)  # llama.cpp's converter carries llama3 RoPE
 
 
 def test_adapter_of_a_full_fine_tune_is_refused():
@@ -275,23 +292,20 @@ def test_bake_in_every_format(baked_copy, tiny_model):
 def test_gguf_of_an_unsupported_model_fails_before_training(project, tmp_path):
     import torch
     from tiny import make_tiny_tokenizer
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import OPTConfig, OPTForCausalLM
 
     tokenizer = make_tiny_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    config = OPTConfig(
+        vocab_size=len(tokenizer), hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+        word_embed_proj_dim=32, max_position_embeddings=1024,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
     )
     torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(project.root / "qwen")
-    tokenizer.save_pretrained(project.root / "qwen")
-    project.plan.update(base="./qwen", bake={"formats": ["safetensors", "gguf-f16"]})
+    OPTForCausalLM(config).save_pretrained(project.root / "opt")
+    tokenizer.save_pretrained(project.root / "opt")
+    project.plan.update(base="./opt", bake={"formats": ["safetensors", "gguf-q4_k_m"]})
     project.write()
     line = one_line_error(cli("bake", str(project.plan_path), check=2))
-    assert line.endswith(
-        "bake.formats: gguf-f16 is not supported for qwen2 models (supported: llama); "
-        "remove it from bake.formats"
-    )
+    assert "bake.formats: gguf-q4_k_m is not supported for OPTForCausalLM models: llama.cpp's converter" in line
     assert not list((tmp_path / "runs").glob("*/checkpoints/step-*"))

@@ -7,6 +7,7 @@ ChatML chat template, the same shape of thing as SmolLM2 at a ten-thousandth of 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 CHATML = (
@@ -80,4 +81,106 @@ def make_tiny_llama(folder: str | Path, seed: int = 0, layers: int = 2, hidden: 
     )
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    return folder
+
+
+# --- one tiny model per family llama.cpp converts ---------------------------------------------
+# Each family's chat template, written here in the shape the family's released models use
+# (the same turn markers, roles and end-of-turn token), with its special tokens.
+
+LLAMA3 = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+# Mistral and Gemma have no system role: a system message goes before the first user message
+MISTRAL = (
+    "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] + '\n\n' %}"
+    "{% set messages = messages[1:] %}{% else %}{% set system = '' %}{% endif %}"
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + (system if loop.first else '') + message['content'] + ' [/INST]' }}"
+    "{% else %}{{ message['content'] + eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+GEMMA = (
+    "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] + '\n\n' %}"
+    "{% set messages = messages[1:] %}{% else %}{% set system = '' %}{% endif %}"
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (system if loop.first else '') + message['content'] + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+PHI3 = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+# family: (transformers config class, model class, config, template, specials, bos, eos, pad)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}, CHATML, SPECIALS, None, "<|im_end|>", "<|endoftext|>"),
+    "llama3": (
+        "LlamaConfig", "LlamaForCausalLM",
+        {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 256}},
+        LLAMA3, ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        "<|begin_of_text|>", "<|eot_id|>", "<|end_of_text|>",
+    ),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, CHATML, SPECIALS, None, "<|im_end|>", "<|endoftext|>"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}, CHATML, SPECIALS, None, "<|im_end|>", "<|endoftext|>"),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"head_dim": 8}, MISTRAL, ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"],
+                "<s>", "</s>", "<unk>"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 512},
+               GEMMA, ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<end_of_turn>", "<pad>"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": None}, PHI3,
+             ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"], None, "<|end|>", "<|endoftext|>"),
+}
+
+
+def make_tiny_family(family: str, folder: str | Path, seed: int = 0) -> Path:
+    """A 2-layer random model of `family` (a FAMILIES key) with a byte-level BPE tokenizer
+    carrying the family's special tokens and chat template."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    config_cls, model_cls, extra, template, specials, bos, eos, pad = FAMILIES[family]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    if bos:  # the family's tokenizer starts every text with it
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad)
+    fast.chat_template = template
+    ids = {name: fast.convert_tokens_to_ids(t) if t else None for name, t in (("bos", bos), ("eos", eos), ("pad", pad))}
+    settings = dict(
+        vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+        bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"],
+    )
+    settings.update(extra)
+    config = getattr(transformers, config_cls)(**settings)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config)
+    with torch.no_grad():  # random weights of a trained model's scale: greedy tokens not all ties
+        for p in model.parameters():
+            if p.ndim > 1:
+                p.normal_(0, 0.3)
+    model.generation_config = GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
+    model.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    if family == "phi3":  # Phi-4's way: a GPT-2 BPE tokenizer on the Phi-3 architecture
+        path = folder / "tokenizer_config.json"
+        cfg = json.loads(path.read_text())
+        cfg["tokenizer_class"] = "GPT2Tokenizer"
+        path.write_text(json.dumps(cfg, indent=1))
     return folder

@@ -16,18 +16,51 @@ The writers import numpy, gguf or matplotlib themselves, and are imported only t
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 from ..errors import OverbrainerError
 from ..plan import BAKE_FORMATS
 
-__all__ = ["GGUF_TYPES", "GGUF_ARCHITECTURES", "check_formats", "gguf_types"]
+__all__ = ["GGUF_TYPES", "PYTHON_GGUF_TYPES", "TESTED_ARCHITECTURES", "check_formats", "gguf_types",
+           "llama_cpp_architectures", "python_writer_covers"]
 
 GGUF_TYPES = tuple(f.removeprefix("gguf-") for f in BAKE_FORMATS if f.startswith("gguf-"))
-GGUF_ARCHITECTURES = ("llama",)  # transformers model_type values the GGUF writer knows
+# what formats/gguf.py writes in pure Python (the gguf package's numpy quantizers), for plain
+# Llama models: no llama.cpp build needed, and faster (bench/bake.py)
+PYTHON_GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "mxfp4", "tq2_0", "tq1_0")
+# the families tests/test_gguf_families.py bakes, loads in llama.cpp and compares with
+# transformers; llama.cpp's converter knows more (llama_cpp_architectures.txt), untested here
+TESTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "Llama (default and llama3 RoPE)",
+    "MistralForCausalLM": "Mistral",
+    "Qwen2ForCausalLM": "Qwen2/2.5",
+    "Qwen3ForCausalLM": "Qwen3",
+    "Gemma3ForCausalLM": "Gemma 3",
+    "Phi3ForCausalLM": "Phi-3",
+}
 
 
 def gguf_types(formats: list[str]) -> list[str]:
     """The GGUF types asked for, in the plan's order: ``["q8_0", "f16"]``."""
     return [f.removeprefix("gguf-") for f in formats if f.startswith("gguf-")]
+
+
+@functools.cache
+def llama_cpp_architectures() -> frozenset[str]:
+    """The architectures the pinned llama.cpp converter registers (a file shipped with the
+    package, so that the config step knows them without building llama.cpp)."""
+    text = (Path(__file__).parent / "llama_cpp_architectures.txt").read_text()
+    return frozenset(x.strip() for x in text.splitlines() if x.strip() and not x.startswith("#"))
+
+
+def python_writer_covers(config: dict, qtype: str) -> bool:
+    """Whether formats/gguf.py (pure Python, no llama.cpp) writes this model in ``qtype``:
+    the Llama architecture with default RoPE and no MLP bias."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    return (config.get("model_type") == "llama" and rope_type == "default" and not config.get("mlp_bias")
+            and qtype in PYTHON_GGUF_TYPES)
 
 
 def check_formats(formats: list[str], base_config: dict, adapter: str = "lora") -> None:
@@ -40,27 +73,16 @@ def check_formats(formats: list[str], base_config: dict, adapter: str = "lora") 
             "adapter of its own); remove it from bake.formats"
         )
     ggufs = [f for f in formats if f.startswith("gguf-")]
-    if not ggufs:
+    if all(python_writer_covers(base_config, t) for t in gguf_types(ggufs)):
         return
     named = ", ".join(ggufs)
     are, them = ("is", "it") if len(ggufs) == 1 else ("are", "them")
-    arch = base_config.get("model_type") or "unknown"
-    if arch not in GGUF_ARCHITECTURES:
+    archs = base_config.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in llama_cpp_architectures():
+        shown = arch or f"{base_config.get('model_type') or 'unknown'} (no architectures in config.json)"
         raise OverbrainerError(
-            f"bake.formats: {named} {are} not supported for {arch} models "
-            f"(supported: {', '.join(GGUF_ARCHITECTURES)}); remove {them} from bake.formats"
-        )
-    # llama variants the writer does not carry over (llama.cpp would need more tensors or keys)
-    rope = base_config.get("rope_parameters") or base_config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type") or rope.get("type") or "default"
-    unsupported = []
-    if rope_type != "default":
-        unsupported.append(f"rope_type {rope_type!r}")
-    if base_config.get("mlp_bias"):
-        unsupported.append("mlp_bias")
-    if unsupported:
-        raise OverbrainerError(
-            f"bake.formats: {named} {are} not supported for {arch} models with "
-            f"{' and '.join(unsupported)} (supported: default rope, no MLP bias); remove {them} "
-            "from bake.formats"
+            f"bake.formats: {named} {are} not supported for {shown} models: llama.cpp's converter "
+            f"does not know that architecture (supported: {', '.join(TESTED_ARCHITECTURES.values())}, and "
+            f"the others in overbrainer/formats/llama_cpp_architectures.txt); remove {them} from bake.formats"
         )

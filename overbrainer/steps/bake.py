@@ -70,15 +70,12 @@ def run(bake: Bake, inputs: dict) -> Outputs:
         for src in sorted(folder.merged.iterdir()):
             link_or_copy(src, tmp / src.name)
             files[src.name] = "safetensors"
-    ggufs = []
-    for qtype in gguf_types(formats):
-        from ..formats.gguf import file_name, write_gguf
+    ggufs: list[str] = []
+    if gguf_types(formats):
+        from ..formats.llama_cpp import write_ggufs
 
-        gguf = file_name(name, qtype)
-        bake.say(f"bake: {gguf}")
-        write_gguf(folder.merged, tmp / gguf, qtype, name)
-        files[gguf] = f"gguf-{qtype}"
-        ggufs.append(gguf)
+        ggufs = write_ggufs(folder.merged, tmp, name, gguf_types(formats), say=bake.say, log=folder.log)
+        files.update({g: f"gguf-{t}" for g, t in zip(ggufs, gguf_types(formats))})
     if "ollama" in formats:
         from ..formats.ollama import modelfile
 
