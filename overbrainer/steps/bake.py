@@ -79,7 +79,8 @@ def run(bake: Bake, inputs: dict) -> Outputs:
     if "ollama" in formats:
         from ..formats.ollama import modelfile
 
-        (tmp / "Modelfile").write_text(modelfile(folder.merged, ggufs[0]), encoding="utf-8")
+        text = modelfile(folder.merged, ggufs[0], num_ctx=bake.plan.train.sequence_len, warn=bake.say)
+        (tmp / "Modelfile").write_text(text, encoding="utf-8")
         files["Modelfile"] = "ollama"
     if "adapter" in formats:
         write_adapter(folder.checkpoints / inputs["adapter"]["checkpoint"], tmp / "adapter")
