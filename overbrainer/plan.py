@@ -177,6 +177,14 @@ class TrainSettings(_Settings):
         return self
 
 
+class PushSettings(_Settings):
+    """Where ``overbrainer bake`` uploads ``baked/`` when it is done."""
+
+    repo: Annotated[str, Field(pattern=r"^[\w.-]+/[\w.-]+$")] = Field(description="org/name on the Hub")
+    private: bool = False
+    revision: Annotated[str, Field(min_length=1)] | None = None
+
+
 class BakeSettings(_Settings):
     """What to make from the merged model: each format names what it puts in baked/.
 
@@ -186,6 +194,11 @@ class BakeSettings(_Settings):
     """
 
     formats: list[Literal[BAKE_FORMATS]] = Field(default_factory=lambda: ["safetensors"], min_length=1)
+    license: Annotated[str, Field(pattern=r"^[\w.+-]+$")] | None = Field(
+        default=None, description="The model card's licence (a Hub licence id: apache-2.0, mit, llama3.1, other); "
+        "default: the base model's, where its card says it.")
+    push: PushSettings | None = Field(
+        default=None, description="After the bake, upload baked/ to this Hub repository (overbrainer push).")
 
     @field_validator("formats")
     @classmethod

@@ -98,6 +98,27 @@ def test_plain_llama_goes_through_the_python_writer_and_the_rest_through_llama_c
     check_formats(["gguf-q8_0"], llama3)  # llama.cpp's converter carries llama3 RoPE
 
 
+def test_card_front_matter_names_the_hub_base_its_license_and_datasets():
+    from huggingface_hub import ModelCard
+
+    from overbrainer.formats.card import card_data
+    from overbrainer.inputs.base_model import BaseSpec, hub_base
+
+    assert hub_base(BaseSpec("alias", "smollm2-135m-instruct", "smollm2-135m-instruct")) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert hub_base(BaseSpec("hub", "Qwen/Qwen2.5-0.5B@main", "Qwen/Qwen2.5-0.5B", "main")) == "Qwen/Qwen2.5-0.5B"
+    cached = "/home/u/.cache/huggingface/hub/models--Qwen--Qwen3-0.6B/snapshots/abc123"
+    assert hub_base(BaseSpec("folder", cached, cached)) == "Qwen/Qwen3-0.6B"
+    assert hub_base(BaseSpec("folder", "./mine", "/work/mine")) is None
+    card = {"name": "demo", "base": "smollm2-135m-instruct", "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+            "license": "apache-2.0", "datasets": ["org/chats"], "train": {"adapter": "lora"},
+            "result": {"eval_loss": 1.2345678}}
+    text = "---\n" + card_data(card, {"demo-q4_k_m.gguf": "gguf-q4_k_m"}).to_yaml() + "\n---\n"
+    data = ModelCard(text).data
+    assert (data.base_model, data.license, data.datasets) == ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0", ["org/chats"])
+    assert data.library_name == "gguf" and data.eval_results[0].dataset_type == "org/chats"
+    assert data.eval_results[0].metric_value == 1.234568
+
+
 def test_adapter_of_a_full_fine_tune_is_refused():
     with pytest.raises(OverbrainerError, match='adapter needs train.adapter "lora"'):
         check_formats(["adapter"], {"model_type": "llama"}, adapter="full")
@@ -248,6 +269,16 @@ def check_card_and_curve(baked: Path, folder: Path) -> None:
         assert cells[1:] == [f"{m['loss']:.4f}", f"{m['eval_loss']:.4f}", f"{m['lr']:.2e}", m["phase"]]
     for name in ("tiny-f16.gguf", "tiny-q8_0.gguf", "Modelfile", "adapter/", "ollama create"):
         assert name in card, name
+    # the Hub's front matter, read back with huggingface_hub: no local path as base_model
+    from huggingface_hub import ModelCard
+
+    data = ModelCard.load(baked / "README.md").data
+    assert data.base_model is None and data.license is None and "tiny-llama" not in card.split("---")[1]
+    assert data.pipeline_tag == "text-generation" and data.library_name == "transformers"
+    assert data.tags == ["overbrainer", "lora", "gguf", "ollama"]
+    (result,) = data.eval_results
+    last_eval = [m["eval_loss"] for m in metrics if m.get("eval_loss") is not None][-1]
+    assert result.metric_type == "loss" and result.metric_value == round(last_eval, 6)
 
 
 def test_bake_in_every_format(baked_copy, tiny_model):
@@ -276,6 +307,7 @@ def test_bake_in_every_format(baked_copy, tiny_model):
         "\n"
         'PARAMETER stop "<|im_end|>"\n'
         'PARAMETER stop "<|im_start|>"\n'
+        f'PARAMETER num_ctx {project.plan["train"]["sequence_len"]}\n'  # what it was trained on
     )
     check_adapter_is_the_final_one(baked, merged, tiny_model)
     check_card_and_curve(baked, folder)

