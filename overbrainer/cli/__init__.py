@@ -26,7 +26,7 @@ import os
 import sys
 
 from ..errors import FileProblem, OverbrainerError, RunFailed, UsageError
-from . import bake, chat, graph, runs, serve
+from . import bake, chat, graph, push, runs, serve
 
 __all__ = ["main", "parser"]
 
@@ -76,7 +76,7 @@ def parser() -> argparse.ArgumentParser:
         return real(name, parents=[after], **kwargs)
 
     sub.add_parser = add_parser
-    for group in (bake, graph, runs, chat, serve):
+    for group in (bake, graph, runs, chat, serve, push):
         group.add_parsers(sub)
     return top
 
