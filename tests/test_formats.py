@@ -12,8 +12,8 @@ from helpers import bake_json, cli
 
 from overbrainer.errors import OverbrainerError
 from overbrainer.formats import GGUF_TYPES, PYTHON_GGUF_TYPES, check_formats, python_writer_covers
-from overbrainer.formats.llama_cpp import CONVERT_TYPES, QUANTIZE_FTYPES
 from overbrainer.formats.gguf import llama_cpp_pre
+from overbrainer.formats.llama_cpp import CONVERT_TYPES, QUANTIZE_FTYPES
 from overbrainer.formats.ollama import chatml_system, modelfile
 
 # Largest |logit(GGUF) - logit(merged/)| over every position and vocabulary entry of the

@@ -4,8 +4,10 @@
 format                 what it puts in ``baked/``                                   module
 =====================  ===========================================================  ==========
 ``safetensors``        the merged model: ``merged/``'s files, hard-linked           (bake step)
-``gguf-<type>``        ``<name>-<type>.gguf``: the merged model for llama.cpp        ``gguf``
+``gguf-<type>``        ``<name>-<type>.gguf``: the merged model for llama.cpp        ``llama_cpp``
+                       (llama.cpp's converter and quantizer; plain Llama: ``gguf``)
 ``ollama``             ``Modelfile``: ``FROM`` the first GGUF listed, chat template  ``ollama``
+(``overbrainer push``)  uploads ``baked/`` to the Hub                                 ``push``
 ``adapter``            ``adapter/``: the final LoRA adapter alone (PEFT's layout)    ``adapter``
 (always)               ``README.md`` (the model card), ``loss.png``                  ``card``
 =====================  ===========================================================  ==========
