@@ -131,9 +131,8 @@ def _bake_here(bake, report: dict, as_json: bool, out, quiet: bool) -> int:
     report.update(ran=done.ran, skipped=done.skipped)
     wanted = bake.plan.bake.push
     if wanted and done.error is None and not done.signalled and bake.folder.baked.is_dir() and "bake" in done.ran:
-        from ..formats.push import (
-            push,  # bake.push: what `overbrainer push` does, once baked/ is new
-        )
+        # bake.push: what `overbrainer push` does, once baked/ is new
+        from ..formats.push import push
 
         push(bake.folder.baked, wanted.repo, private=wanted.private, revision=wanted.revision, say=bake.say)
     return finish(bake.folder.root, report, as_json, out, quiet)
