@@ -136,7 +136,9 @@ FAMILIES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 512},
                GEMMA, ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<end_of_turn>", "<pad>"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": None}, PHI3,
-             ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"], None, "<|end|>", "<|endoftext|>"),
+             # Phi-3's vocabulary has Llama's <unk> <s> </s> too; llama.cpp looks them up in a model named phi3
+             ["<unk>", "<s>", "</s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"], None, "<|end|>",
+             "<|endoftext|>"),
 }
 
 

@@ -140,9 +140,12 @@ def _package_root() -> str:
     return str(Path(__file__).resolve().parents[2])
 
 
-def convert(tools: Path, merged: Path, dest: Path, outtype: str, pre: str, log: Path | None = None) -> None:
-    """merged/ -> ``dest``, a GGUF of ``outtype`` (f32, f16, bf16, q8_0, tq1_0, tq2_0, auto)."""
-    _run(["convert", str(tools / "llama.cpp"), pre, "--", str(merged), "--outtype", outtype, "--outfile", str(dest)],
+def convert(tools: Path, merged: Path, dest: Path, outtype: str, pre: str, log: Path | None = None,
+            model_name: str | None = None) -> None:
+    """merged/ -> ``dest``, a GGUF of ``outtype`` (f32, f16, bf16, q8_0, tq1_0, tq2_0, auto);
+    ``general.name`` is ``model_name`` (else the folder's name)."""
+    named = ["--model-name", model_name] if model_name else []
+    _run(["convert", str(tools / "llama.cpp"), pre, "--", str(merged), "--outtype", outtype, "--outfile", str(dest), *named],
          tools, f"convert {merged.name}/ to {outtype}", log)
 
 
@@ -186,7 +189,7 @@ def write_ggufs(merged: Path, folder: Path, name: str, qtypes: list[str], say: C
                 tools = llama_cpp_tools(say, log)
                 pre = _pre(merged, qtype, llama_cpp_pre)
             if qtype in CONVERT_TYPES:
-                convert(tools, merged, dest, qtype, pre, log)
+                convert(tools, merged, dest, qtype, pre, log, model_name=name)
             else:
                 if source is None:
                     made = [folder / file_name(name, t) for t in ("f32", "bf16", "f16") if t in qtypes]
@@ -194,7 +197,7 @@ def write_ggufs(merged: Path, folder: Path, name: str, qtypes: list[str], say: C
                 if source is None:
                     scratch.mkdir(exist_ok=True)
                     source = scratch / "source.gguf"
-                    convert(tools, merged, source, "auto", pre, log)
+                    convert(tools, merged, source, "auto", pre, log, model_name=name)
                 quantize(tools, source, dest, QUANTIZE_FTYPES[qtype], log)
             names[qtype] = dest.name
     finally:
