@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked gpu run only where torch sees a CUDA GPU (torch is imported only when
     one of them is collected). Tests marked llama_cpp run where llama.cpp's tools are built
     (.venv/overbrainer-tools/, or $OVERBRAINER_LLAMA_CPP), or when ``-m`` names them (they
-    build it: ~12 minutes on 2 cores, too long for every fresh checkout)."""
+    build it: tens of minutes on 2 cores, too long for every fresh checkout)."""
     _skip_unbuilt_llama_cpp(config, items)
     marked = [item for item in items if "gpu" in item.keywords]
     if not marked:
@@ -51,7 +51,7 @@ def _skip_unbuilt_llama_cpp(config, items) -> None:
                  / f"llama-cpp-python-{lc.LLAMA_CPP_PYTHON}")
     if (tools / lc.MARKER).is_file():
         return
-    skip = pytest.mark.skip(reason=f"llama.cpp is not built at {tools}; pytest -m llama_cpp builds it (~12 min on 2 cores)")
+    skip = pytest.mark.skip(reason=f"llama.cpp is not built at {tools}; pytest -m llama_cpp builds it (tens of minutes on 2 cores)")
     for item in marked:
         item.add_marker(skip)
 

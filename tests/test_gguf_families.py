@@ -3,8 +3,8 @@ models with real (trained, byte-level BPE) tokenizers: the f16 file's greedy tok
 transformers' on the same folder, and the q4_k_m file loads and generates in llama.cpp.
 
 llama.cpp is built for real, once per checkout, at ``.venv/overbrainer-tools/`` (or
-``$OVERBRAINER_LLAMA_CPP``): llama-cpp-python 0.3.36 compiled from source, about 12 minutes
-on 2 free cores. These tests are marked ``llama_cpp``: they run where that folder is whole
+``$OVERBRAINER_LLAMA_CPP``): llama-cpp-python 0.3.36 compiled from source, tens of minutes
+on 2 cores. These tests are marked ``llama_cpp``: they run where that folder is whole
 (CI keeps it in its cache of ``.venv``) or when asked for (``pytest -m llama_cpp`` builds it),
 and are skipped, saying so, elsewhere (tests/conftest.py).
 """

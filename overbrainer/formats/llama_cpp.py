@@ -3,7 +3,7 @@
 Every family llama.cpp runs is converted by llama.cpp's ``convert_hf_to_gguf.py`` (with the
 gguf-py it vendors) and quantized by its ``llama_model_quantize``. Both come from one pinned
 release of llama-cpp-python, whose source distribution vendors llama.cpp; its wheel is built
-from source (cmake; about 12 minutes on 2 cores), once per machine::
+from source (cmake; tens of minutes on 2 cores), once per machine::
 
     <cache>/tools/llama-cpp-python-0.3.36/
         site/                    llama_cpp (the quantize and load bindings), sentencepiece
@@ -71,7 +71,7 @@ def llama_cpp_tools(say: Callable[[str], None] = print, log: Path | None = None)
 def _build(tmp: Path, final: Path, say: Callable[[str], None], log: Path | None) -> None:
     started = time.monotonic()
     say(f"gguf: building llama.cpp (llama-cpp-python {LLAMA_CPP_PYTHON}) at {final}, once per machine: "
-        "about 12 minutes on 2 cores")
+        "tens of minutes on 2 cores")
     tmp.mkdir()
     wheelhouse = os.environ.get("OVERBRAINER_WHEELHOUSE")
     links = ["--find-links", wheelhouse] if wheelhouse else []
