@@ -1,12 +1,12 @@
 """Sample generations while training (``train.samples``): the built-in trainer's greedy answers
-in samples.jsonl, the same as the checkpoint of that step answers, mirrored to TensorBoard,
-shown by ``overbrainer samples``; the weights are those of a run that takes none."""
+in samples.jsonl, the same as the checkpoint of that step answers, shown by ``overbrainer
+samples``; the weights are those of a run that takes none. (The trackers' copies, across a
+killed and resumed bake: tests/test_trackers.py.)"""
 
 from __future__ import annotations
 
 import json
 
-import pytest
 import yaml
 from helpers import bake_json, cli
 
@@ -17,8 +17,6 @@ from overbrainer.trainers.samples import read_samples
 
 
 def test_samples_during_training(project, tmp_path, references):
-    pytest.importorskip("tensorboard")
-    project.plan["report_to"] = ["tensorboard"]
     project.write(samples={"every": 3, "max_new_tokens": 6})
     bake_json(str(project.plan_path))
     folder = RunFolder(tmp_path / "runs" / "tiny")
@@ -37,13 +35,6 @@ def test_samples_during_training(project, tmp_path, references):
     done, ref = ckpt.complete(folder.checkpoints)[-1][1], ckpt.complete(references.folder() / "checkpoints")[-1][1]
     assert ckpt.read_meta(done)["loss"] == ckpt.read_meta(ref)["loss"]
     assert (done / "adapter_model.safetensors").read_bytes() == (ref / "adapter_model.safetensors").read_bytes()
-
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(folder.tensorboard), size_guidance={"tensors": 0})
-    events.Reload()
-    texts = {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors("samples/text_summary")}
-    assert sorted(texts) == [0, 3, 6, 8] and prompts[0].split("\n")[0] in texts[3]
 
     shown = cli("samples", "tiny").stdout
     assert shown.count("  step 6  ") == 4 and prompts[1].splitlines()[0][:40] in shown
