@@ -13,7 +13,7 @@ import difflib
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -390,6 +390,9 @@ def _field_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
         full = f"{prefix}{name}"
         paths.append(full)
         annotation = info.annotation
+        inner = [a for a in get_args(annotation) if a is not type(None)]
+        if len(inner) == 1 and type(None) in get_args(annotation):  # X | None: X's fields
+            annotation = inner[0]
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             paths.extend(_field_paths(annotation, f"{full}."))
     return paths

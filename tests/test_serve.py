@@ -19,6 +19,8 @@ import pytest
 from helpers import make_project
 from helpers import REPO, cli, trainers_of
 
+from overbrainer import journal
+from overbrainer.folder import RunFolder
 from overbrainer.runtime.run import Run
 
 OUTPUT = REPO / "test-output"
@@ -83,6 +85,12 @@ def test_paths_stay_in_the_runs_folder_and_actions_need_the_token(server, baked_
     assert request(stop, "POST", {"X-Overbrainer-Token": token, "Origin": "http://evil.example"}) == 403
     assert request(stop, "POST", {"X-Overbrainer-Token": token, "Sec-Fetch-Site": "cross-site"}) == 403
     assert request(stop, "POST", {"X-Overbrainer-Token": token, "Origin": f"http://127.0.0.1:{port}"}) == 200
+    # the graph as the folder records it: a bake that failed at its last step
+    folder = RunFolder(tmp_path / "runs" / "tiny")
+    folder.stamp("bake").unlink()
+    journal.update(folder, state="failed", task="bake")
+    graph = json.loads(urllib.request.urlopen(f"{url}/api/runs/tiny", timeout=10).read())["graph"]
+    assert "class resolve,base,split,config,train,merge done" in graph and "class bake failed" in graph, graph
     taken = cli("serve", "--runs", str(tmp_path / "runs"), "--port", str(port), check=2)
     assert taken.stderr.strip().splitlines() == [
         f"error: cannot listen on 127.0.0.1:{port} (Address already in use); pick another with --port"]
@@ -101,7 +109,7 @@ def chromium(tmp_path):
     options = webdriver.ChromeOptions()
     options.binary_location = binary
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1200,1000",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1200,1700",
                  f"--user-data-dir={tmp_path / 'chromium-profile'}"):
         options.add_argument(flag)
     try:

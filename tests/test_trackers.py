@@ -105,7 +105,7 @@ def test_trackers_mirror_a_killed_and_resumed_bake(project, tmp_path, monkeypatc
     # is lost with it (some or all of steps 1 to 5, by how busy the machine is); after the
     # resume the same run goes on, and no step is written twice
     assert steps == sorted(set(steps)) and set(steps) <= set(range(1, 9)) and steps[-3:] == [6, 7, 8], steps
-    tables = [s for f in files for s, item in wandb_history(f) if "samples" in item]
+    tables = [s for f in files for s, item in wandb_history(f) if item.get("samples/_type") == "table-file"]
     assert tables == sorted(set(tables)) and set(tables) <= {0, 4, 8} and tables[-1] == 8, tables
 
     # the key came from the environment and went nowhere

@@ -99,8 +99,9 @@ def recorded(folder: RunFolder) -> list[StepState]:
     from .. import journal
 
     current = _in_progress(folder)
-    state = journal.status(folder).get("state") if folder.run_json.exists() else None
-    ended = _first_unstamped(folder, journal.status(folder).get("task")) if state in ("failed", "stopped") else None
+    status = journal.status(folder) if folder.run_json.exists() else {}
+    state = status.get("state")
+    ended = _first_unstamped(folder, status.get("task")) if state in ("failed", "stopped") else None
     out = []
     for s in steps():
         if s.step == current:

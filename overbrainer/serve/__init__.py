@@ -160,7 +160,7 @@ def app(root: Path, token: str) -> Starlette:
                 if text != said:
                     said = text
                     yield f"event: info\ndata: {text}\n\n"
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(1)
 
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
