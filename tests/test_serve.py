@@ -16,8 +16,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from helpers import make_project
-from helpers import REPO, cli, trainers_of
+from helpers import REPO, cli, make_project, trainers_of
 
 from overbrainer import journal
 from overbrainer.folder import RunFolder
