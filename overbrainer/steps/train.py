@@ -135,7 +135,7 @@ def launch(bake: Bake, fp: str, max_steps: int) -> int:
     folder = bake.folder
     train = bake.plan.train
     own = dict(nodes=train.nodes, rendezvous=train.rendezvous, run_id=bake.plan.name,
-               deterministic=train.deterministic) if train.trainer == "builtin" else {}
+               deterministic=train.deterministic, device=train.device) if train.trainer == "builtin" else {}
     trainer = get_trainer(train.trainer, processes=train.processes, **own)
     follower = Follower(bake, max_steps, fp)
     # where the plan says: here, an exported bundle, or another machine over ssh

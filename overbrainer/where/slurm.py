@@ -129,11 +129,12 @@ def across_nodes(commands: list[list[str]], nodes: int, per_node: int) -> list[l
         return commands
     out = []
     for command in commands:
-        if command[-3:-1] == ["-m", "overbrainer.trainers.builtin"]:
+        at = next((i for i in range(len(command) - 1) if command[i:i + 2] == ["-m", "overbrainer.trainers.builtin"]), None)
+        if at is not None:  # the loop and its arguments (config.yaml, --device...)
             command = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", sys.executable, "-m",
                        "torch.distributed.run", "--nnodes=${SLURM_NNODES}", f"--nproc-per-node={per_node}",
                        "--rdzv-backend=c10d", "--rdzv-endpoint=${OVERBRAINER_RDZV}", "--rdzv-id=${SLURM_JOB_ID}",
-                       *command[-3:]]
+                       *command[at:]]
         out.append(command)
     return out
 
