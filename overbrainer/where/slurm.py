@@ -21,12 +21,17 @@ that state. A stop is the run's ``stop`` file, which the trainer sees on the sha
 filesystem (a job still pending is cancelled instead). ``--signal=B:USR1@<grace>``: on the
 warning before its time limit the job writes the stop file itself, the trainer saves a
 checkpoint and ends, and this side submits the next job, which goes on from it. A
-requeued job (``"requeue": true``, preemption) runs job.sh again and goes on the same way.
+requeued job (``"requeue": true``: preemption, ``scontrol requeue``) gets SIGTERM, which
+writes the stop file the same way; the trainer checkpoints and ends, and Slurm runs job.sh
+again under the same job id, which goes on from that checkpoint (a stop file a signal
+wrote is taken away first). A node that cannot see the run folder ends job.sh at once
+with exit code 97, told here in one line.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -51,6 +56,7 @@ __all__ = ["Slurm", "JobState", "job_state", "job_main", "job_script"]
 IN_QUEUE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
             "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD")
 RENDEZVOUS_PORT = 29500
+UNSEEN_EXIT = 97  # job.sh's exit code when the node cannot see the run folder
 _SUBMITTED = "submitted.json"
 _JOB = "job.json"
 
@@ -92,6 +98,30 @@ def job_state(job: str) -> JobState | None:
     return None
 
 
+def exit_code(job: str) -> int | None:
+    """The exit code of a job's batch script, as scontrol (or sacct) says it; None unknown."""
+    try:
+        out = _slurm(["scontrol", "-o", "show", "job", job])
+        fields = dict(f.split("=", 1) for f in out.stdout.split() if "=" in f) if out.returncode == 0 else {}
+        code = fields.get("ExitCode")
+        if code is None:
+            out = _slurm(["sacct", "-n", "-X", "-P", "-j", job, "-o", "ExitCode"])
+            code = (out.stdout.strip().splitlines() or [None])[0] if out.returncode == 0 else None
+        return int(code.split(":")[0]) if code else None
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
+
+
+def slurm_made(stop: Path) -> bool:
+    """Whether the run's stop file is one a signal to the job wrote (Slurm's warning, its
+    SIGTERM at a requeue or preemption), not a stop the user asked for."""
+    try:
+        text = stop.read_text()
+    except OSError:
+        return False
+    return text.startswith("slurm signal") or bool(re.match(r"signal [0-9]+\n", text))
+
+
 def _one_line(text: str) -> str:
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     return lines[-1] if lines else "no message"
@@ -114,6 +144,11 @@ def job_script(run_dir: Path, name: str, settings: SlurmSettings, python: str = 
         "# torchrun on every node meets on the first node of the job",
         'export OVERBRAINER_RDZV="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
         f':{RENDEZVOUS_PORT}"',
+        # a node that cannot see the run folder (not on a filesystem the cluster shares)
+        # ends at once with its own exit code, which the side that follows it names
+        f"if [ ! -e {shlex.quote(str(slurm / _JOB))} ]; then",
+        f'  echo "overbrainer: $(hostname) cannot see the run folder {run_dir}" >&2; exit {UNSEEN_EXIT}',
+        "fi",
         f"cd {shlex.quote(str(run_dir))}",
         f"exec {shlex.quote(python)} -m overbrainer.where.slurm job {shlex.quote(str(run_dir))}",
         "",
@@ -229,7 +264,7 @@ class Slurm:
                     break
             elif state.in_queue:
                 missing = 0
-                if folder.stop_request.exists() and state.state == "PENDING":
+                if folder.stop_request.exists() and state.state == "PENDING" and not slurm_made(folder.stop_request):
                     _slurm(["scancel", job])
                     self.note(log, f"cancelled Slurm job {job}, still pending, on request")
                     return self.stopped_before_start(folder)
@@ -244,6 +279,9 @@ class Slurm:
             time.sleep(self.poll_s)
         end = read_json(folder.slurm / f"end-{job}.json")
         ended = state.state if state else "gone"
+        if end is None and exit_code(job) == UNSEEN_EXIT:
+            raise RunFailed(f"the Slurm job {job} cannot see the run folder {folder.root}: it is not on a filesystem "
+                            "the cluster's nodes share; bake with --runs on the shared filesystem", log_tail="")
         if ended != "COMPLETED" and not (ended == "gone" and end is not None):
             reason = "" if state is None or state.reason in ("None", "") else f" ({state.reason})"
             if ended == "gone":
@@ -297,16 +335,17 @@ def job_main(run_dir: Path) -> int:
 
     signal.signal(signal.SIGUSR1, warned)
     signal.signal(signal.SIGTERM, warned)
+    if slurm_made(folder.stop_request):
+        # left by this job's run before a requeue (preemption, scontrol requeue) that was
+        # killed before it could take it away: the run goes on from its checkpoint
+        folder.stop_request.unlink(missing_ok=True)
     (folder.slurm / f"end-{job_id}.json").unlink(missing_ok=True)
     commands = [[os.path.expandvars(arg) for arg in command] for command in job["commands"]]
     code = run_commands(commands, folder.root, {**os.environ, **job["env"]}, folder.log,
                         metrics_file=job["metrics_file"], stages=job["stages"], stop_marker=job["stop_marker"],
                         metrics_required=job["metrics_required"])
-    try:
-        if got and folder.stop_request.read_text().startswith("slurm signal"):
-            folder.stop_request.unlink()  # the stop was Slurm's, not the user's
-    except OSError:
-        pass
+    if got and slurm_made(folder.stop_request):
+        folder.stop_request.unlink(missing_ok=True)  # the stop was Slurm's, not the user's
     write_json(folder.slurm / f"end-{job_id}.json",
                {"job": job_id, "exit": code, "signal": signal.Signals(got[0]).name if got else None, "ended": now()})
     return code
