@@ -163,7 +163,8 @@ def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: di
         "fp16": False,
         # fp32 matmuls in TF32 on a GPU that has it (10 bits of mantissa where fp32 is asked;
         # bf16 autocast has 7): what TRL and Axolotl users get on an Ampere or newer GPU
-        "tf32": True,
+        # ("auto": Axolotl refuses true on a machine without one, a CPU among them)
+        "tf32": "auto",
         "flash_attention": False,
         "sdp_attention": True,
         "gradient_checkpointing": train.gradient_checkpointing,

@@ -101,7 +101,7 @@ def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = 
         device = hw.pick(device, world.local_rank)
     except hw.Unavailable as e:
         raise GiveUp(str(e), 2) from None
-    hw.configure(device, deterministic, bool(cfg.get("tf32")))
+    hw.configure(device, deterministic, cfg.get("tf32") in (True, "auto"))
     world.connect(device)
     torch.manual_seed(cfg["seed"])  # the same initial adapter on every rank
     bf16 = hw.use_bf16(cfg.get("bf16", False), device)
