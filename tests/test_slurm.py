@@ -379,3 +379,33 @@ def test_a_node_that_cannot_see_the_run_folder_is_one_line(plan, cluster):
     assert status["reason"].startswith(f"the Slurm job {job} cannot see the run folder {folder}"), status
     assert "\n" not in status["reason"] and not (folder / "checkpoints").exists()
     assert "cannot see the run folder" in (folder / "slurm" / f"{job}.out").read_text()
+
+
+def test_workdir_stages_the_job_checks_it_and_brings_the_result_back(plan, reference, cluster, tmp_path):
+    """"workdir": the job is staged there as an export bundle's job folder, for a run folder
+    the nodes do not see: a copy damaged on the way is refused by its manifest, in one
+    line, and the next bake stages it again, trains there and brings the result back
+    through the import's checks, bit for bit."""
+    scratch = tmp_path / "scratch"
+    plan_path = on_slurm(plan, workdir=str(scratch), sbatch=["--begin=now+3"])
+    folder = Path(os.environ["OVERBRAINER_RUNS"]) / "tiny"
+    cli("bake", str(plan_path), "--detach")
+    wait_for(lambda: run_json(folder).get("slurm_job"), every=0.05)
+    [staged] = scratch.glob("tiny-*")
+    assert (staged / "MANIFEST.json").is_file() and (staged / "base" / "config.json").is_file()
+    with open(staged / "run" / "train.parquet", "ab") as f:
+        f.write(b"\0")  # damaged on the way
+    status = wait_for(lambda: (s := run_json(folder)).get("state") in ("failed", "done", "stopped") and s, timeout=180)
+    assert status["state"] == "failed", status
+    assert "run/train.parquet differs" in status["reason"] and "copy it again" in status["reason"], status
+    assert "\n" not in status["reason"] and not (folder / "checkpoints").exists()
+
+    report = bake(plan_path)
+    assert report["state"] == "done", report
+    same_model(folder, reference)
+    script = (folder / "job.sh").read_text()
+    assert f"-m overbrainer.where.slurm staged {staged}" in script and f"--output={staged}/run/slurm/%j.out" in script
+    assert (staged / "result.tar.gz").is_file() and not (folder / "slurm" / "job.json").exists()
+    job = run_json(folder)["slurm_job"]
+    assert json.loads((staged / "run" / "slurm" / f"end-{job}.json").read_text())["exit"] == 0
+    assert f"the Slurm job {job}'s result is back from {staged}" in (folder / "log.txt").read_text()

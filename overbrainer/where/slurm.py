@@ -263,6 +263,7 @@ class Slurm:
             (tmp / arc).chmod(0o755)
         shutil.rmtree(home, ignore_errors=True)
         os.replace(tmp, home)
+        self._log_from = 0  # its log.txt starts again
 
     def bring_back(self, trainer: Trainer, folder: RunFolder, fp: str, job: str, log: Path) -> None:
         """The staged job's result (result.tar.gz, which its runner packs), into the run
@@ -357,6 +358,13 @@ class Slurm:
             self.mirror(folder, log)
         end = read_json(self.end_file(folder, job))
         out = self.end_file(folder, job).parent / f"{job}.out"  # Slurm's own output of the job
+        if self.staged is not None and end is not None:
+            from ..portable import runner as jobfile
+
+            said = (read_json(self.staged / jobfile.END) or {}).get("error")
+            if said:  # its runner refused it: a file that differs from the manifest, the base's pin
+                raise RunFailed(f"the Slurm job {job} could not run its staged job in {self.staged}: {said}",
+                                log_tail="")
         ended = state.state if state else "gone"
         if end is None and exit_code(job) == UNSEEN_EXIT:
             raise RunFailed(f"the Slurm job {job} cannot see the run folder {folder.root}: it is not on a filesystem "
