@@ -368,7 +368,8 @@ class Slurm:
         ended = state.state if state else "gone"
         if end is None and exit_code(job) == UNSEEN_EXIT:
             raise RunFailed(f"the Slurm job {job} cannot see the run folder {folder.root}: it is not on a filesystem "
-                            "the cluster's nodes share; bake with --runs on the shared filesystem", log_tail="")
+                            "the cluster's nodes share; bake with --runs on the shared filesystem, or set where.slurm.workdir "
+                            "to a folder they see", log_tail="")
         if ended != "COMPLETED" and not (ended == "gone" and end is not None):
             reason = "" if state is None or state.reason in ("None", "") else f" ({state.reason})"
             if ended == "gone":
