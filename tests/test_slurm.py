@@ -59,7 +59,8 @@ def slurm(tmp_path_factory):
     conf.write_text("\n".join([
         "ClusterName=overbrainer-test", "SlurmctldHost=localhost",
         f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
-        "AuthType=auth/munge", f"AuthInfo=socket={d}/munge.sock,cred_expire=30",  # a requeued job waits this long, not 120 s "CredType=cred/munge",
+        # cred_expire: how long a requeued job waits before it starts again (120 s by default)
+        "AuthType=auth/munge", f"AuthInfo=socket={d}/munge.sock,cred_expire=30", "CredType=cred/munge",
         "SlurmUser=root", "SlurmdUser=root",
         f"StateSaveLocation={d}/state", f"SlurmdSpoolDir={d}/spool",
         f"SlurmctldPidFile={d}/slurmctld.pid", f"SlurmdPidFile={d}/slurmd.pid",
