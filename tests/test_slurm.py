@@ -410,3 +410,13 @@ def test_workdir_stages_the_job_checks_it_and_brings_the_result_back(plan, refer
     job = run_json(folder)["slurm_job"]
     assert json.loads((staged / "run" / "slurm" / f"end-{job}.json").read_text())["exit"] == 0
     assert f"the Slurm job {job}'s result is back from {staged}" in (folder / "log.txt").read_text()
+
+
+def test_across_nodes_keeps_the_trainers_own_arguments():
+    """Two nodes: the built-in trainer's command under srun torchrun, its arguments after
+    config.yaml (the plan's device) kept."""
+    from overbrainer.where.slurm import across_nodes
+
+    [command] = across_nodes([["python", "-m", "overbrainer.trainers.builtin", "config.yaml", "--device", "cuda"]], 2, 8)
+    assert command[0] == "srun" and "--nproc-per-node=8" in command
+    assert command[-5:] == ["-m", "overbrainer.trainers.builtin", "config.yaml", "--device", "cuda"]
