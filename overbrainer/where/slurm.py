@@ -26,6 +26,15 @@ writes the stop file the same way; the trainer checkpoints and ends, and Slurm r
 again under the same job id, which goes on from that checkpoint (a stop file a signal
 wrote is taken away first). A node that cannot see the run folder ends job.sh at once
 with exit code 97, told here in one line.
+
+With ``workdir`` (a folder the nodes see, for a run folder they do not), each job is staged
+in ``<workdir>/<name>-<fp8>/`` as an export bundle's job folder (``bundle.stage_job``: the
+config, the splits, the newest checkpoint, the base model and MANIFEST.json); job.sh runs
+`staged_main` there, which is the job folder's own runner (``portable/runner.py``: every
+file checked against the manifest, the base against its pin, then the commands, then
+result.tar.gz), and the result comes back through ``receive`` (the import's checks).
+Its ``run/slurm/`` holds the job's end record and Slurm's output; its metrics and log are
+mirrored into the run folder as they grow.
 """
 
 from __future__ import annotations
