@@ -31,8 +31,11 @@ VERSION = 1
 # resumes across a change of them (a checkpoint made on the GPU goes on on the CPU, an
 # out-of-memory run goes on with gradient checkpointing), and a finished one stays done.
 # The math is the same; the bits are the same only on the same device and build.
+# (dataset_prepared_path is where Axolotl caches its tokenized data: keyed by all of the
+# config, it changes with these too, and names no part of the run)
 HOW_IT_COMPUTES = ("device", "deterministic", "torch_compile", "gradient_checkpointing", "liger_rope",
-                   "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy")
+                   "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy",
+                   "dataset_prepared_path")
 
 TARGETS = [f"{CHECKPOINTS}/", METRICS, LOG]
 
