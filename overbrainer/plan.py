@@ -273,6 +273,10 @@ class SlurmSettings(_Settings):
                        description="--signal=B:USR1@<grace>: seconds before its time limit the trainer checkpoints")
     sbatch: list[Annotated[str, Field(pattern=r"^--?[A-Za-z]")]] = Field(
         default_factory=list, description='More sbatch options, each one as written: ["--constraint=h100"]')
+    workdir: str | None = Field(
+        default=None, min_length=1,
+        description="A folder the nodes see, for a run folder they do not: the job is staged there as an export "
+                    "bundle's job folder (checked against its manifest) and its result brought back the same way")
 
 
 class SlurmTarget(_Settings):

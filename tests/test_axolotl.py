@@ -23,7 +23,7 @@ from helpers import bake_json, cli
 
 from overbrainer.portable import axolotl_plugin, script
 from overbrainer.trainers import axolotl_env as tools
-from overbrainer.trainers.axolotl import JOB_CONFIG, Axolotl, AxolotlConfigError, job_config
+from overbrainer.trainers.axolotl import Axolotl, AxolotlConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 LOCAL_ENV = REPO / ".venv" / "overbrainer-tools" / f"axolotl-{tools.AXOLOTL_VERSION}"
@@ -46,23 +46,44 @@ def test_plugin_phase_is_the_built_in_trainers():
     assert axolotl_plugin.phase_of(0, 0, 0) == "decay"
 
 
-def test_job_config_reads_each_split_from_its_own_file():
-    cfg = {
-        "base_model": "/b", "max_steps": 8, "output_dir": "checkpoints", "val_set_size": 0.0, "eval_steps": 4,
-        "datasets": [{"path": "examples.parquet", "ds_type": "parquet", "type": "chat_template",
-                      "field_messages": "messages", "roles_to_train": ["assistant"]}],
-    }
-    out = job_config(cfg, has_validation=True, key="k")
-    assert out["datasets"] == [{"path": "axolotl-job/train.parquet", "ds_type": "parquet", "type": "chat_template",
-                                "field_messages": "messages", "roles_to_train": ["assistant"]}]
-    assert out["test_datasets"][0]["path"] == "axolotl-job/validation.parquet"
-    assert out["plugins"] == ["overbrainer_portable.axolotl_plugin.OverbrainerPlugin"] and out["auto_resume_from_checkpoints"] is True
-    assert out["dataset_prepared_path"] == "axolotl-job/prepared/k" and out["logging_steps"] == 1
-    assert out["eval_strategy"] == "steps" and out["excess_length_strategy"] == "truncate"
-    assert "roles_to_train: &" not in yaml.safe_dump(out)  # no YAML anchors for a person to decode
-    assert cfg["datasets"][0]["path"] == "examples.parquet"  # the run's config is left as it is
-    none = job_config(cfg, has_validation=False, key="k")
-    assert "test_datasets" not in none and none["eval_strategy"] == "no"
+def test_config_yaml_trains_on_the_train_split_and_evaluates_on_validation(project):
+    """config.yaml is the config Axolotl runs: its datasets is train.parquet (the train rows of
+    examples.parquet, in its order), its test_datasets validation.parquet, and nothing in it
+    is the built-in trainer's alone (device, deterministic: on its command line)."""
+    import pyarrow.parquet as pq
+
+    project.write(device="cpu", deterministic=True)
+    run_dir = configured(project)
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    dataset = {"ds_type": "parquet", "type": "chat_template", "field_messages": "messages",
+               "roles_to_train": ["assistant"], "train_on_eos": "turn"}
+    assert cfg["datasets"] == [{"path": "train.parquet", **dataset}]
+    assert cfg["test_datasets"] == [{"path": "validation.parquet", "split": "train", **dataset}]
+    assert cfg["val_set_size"] == 0.0 and cfg["eval_strategy"] == "steps" and cfg["save_strategy"] == "steps"
+    assert cfg["auto_resume_from_checkpoints"] is True and cfg["logging_steps"] == 1
+    assert cfg["dataset_prepared_path"].startswith("axolotl-job/prepared/")
+    assert "device" not in cfg and "deterministic" not in cfg and "plugins" not in cfg
+    examples = pq.read_table(run_dir / "examples.parquet").to_pylist()
+    for split in ("train", "validation"):
+        rows = pq.read_table(run_dir / f"{split}.parquet").to_pylist()
+        assert rows and rows == [{"id": r["id"], "messages": r["messages"]} for r in examples if r["split"] == split]
+
+
+def test_no_validation_rows_means_no_evaluation_in_config_yaml(project):
+    project.plan["split"]["validation"] = 0
+    project.write()
+    run_dir = configured(project)
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    # Axolotl refuses eval_steps or an eval_strategy without an eval set
+    assert "test_datasets" not in cfg and "eval_steps" not in cfg and "eval_strategy" not in cfg
+
+
+def test_the_built_in_trainer_is_told_the_device_on_its_command_line():
+    from overbrainer.trainers.builtin import Builtin
+
+    assert Builtin().commands() == [["python", "-m", "overbrainer.trainers.builtin", "config.yaml"]]
+    assert Builtin(device="cpu", deterministic=True).commands() == [
+        ["python", "-m", "overbrainer.trainers.builtin", "config.yaml", "--device", "cpu", "--deterministic"]]
 
 
 def test_unknown_keys_are_named_at_every_level():
@@ -76,16 +97,17 @@ def test_commands_run_the_tools_python_and_merge_the_last_checkpoint(tmp_path, m
     trainer = Axolotl(processes=1)
     trainer.max_steps, trainer.lora = 8, True
     python = str(tmp_path / "env" / "bin" / "python")
+    plugins = '--plugins=["overbrainer_portable.axolotl_plugin.OverbrainerPlugin"]'
     assert trainer.commands() == [
-        [python, "-m", "axolotl.cli.train", JOB_CONFIG],
-        [python, "-m", "axolotl.cli.merge_lora", JOB_CONFIG, "--lora_model_dir=checkpoints/checkpoint-8",
+        [python, "-m", "axolotl.cli.train", "config.yaml", plugins],
+        [python, "-m", "axolotl.cli.merge_lora", "config.yaml", plugins, "--lora_model_dir=checkpoints/checkpoint-8",
          "--output_dir=axolotl-job"],
     ]
     assert trainer.stages() == ["train", "merge"] and trainer.stop_marker() == "stopped.json"
     two = Axolotl(processes=2)
     two.max_steps, two.lora = 8, False
     assert two.commands() == [[python, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                               "-m", "axolotl.cli.train", JOB_CONFIG]]
+                               "-m", "axolotl.cli.train", "config.yaml", plugins]]
     env = trainer.env("/runs/x")
     assert env["AXOLOTL_DO_NOT_TRACK"] == "1" and env["PYTHONPATH"] == "/runs/x/axolotl-job"
     assert env["PATH"].startswith(str(tmp_path / "env" / "bin") + os.pathsep)
@@ -102,8 +124,10 @@ def test_a_job_staged_to_run_elsewhere_needs_no_tools_here(tmp_path, monkeypatch
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "arr"}]
     rows = [{"id": str(i), "split": "validation" if i == 0 else "train", "messages": chat, "source": "x"} for i in range(3)]
     pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp_path / "examples.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[1:], schema=SCHEMA), tmp_path / "train.parquet")
     cfg = {"base_model": "../base", "max_steps": 2, "output_dir": "checkpoints", "adapter": "lora", "eval_steps": 1,
-           "datasets": [{"path": "examples.parquet", "ds_type": "parquet", "type": "chat_template"}]}
+           "datasets": [{"path": "train.parquet", "ds_type": "parquet", "type": "chat_template"}],
+           "plugins": ["axolotl.integrations.liger.LigerPlugin"]}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     trainer = Axolotl()
     trainer.prepare(tmp_path, "/elsewhere/runs/tiny")
@@ -111,9 +135,10 @@ def test_a_job_staged_to_run_elsewhere_needs_no_tools_here(tmp_path, monkeypatch
     assert [c[0] for c in trainer.commands()] == ["python", "python"]  # the job's own interpreter there
     env = trainer.env("/elsewhere/runs/tiny")
     assert "PATH" not in env and env["PYTHONPATH"] == "/elsewhere/runs/tiny/axolotl-job"
-    job = yaml.safe_load((tmp_path / JOB_CONFIG).read_text())
-    assert job["base_model"] == "../base" and job["test_datasets"][0]["path"] == "axolotl-job/validation.parquet"
-    assert pq.read_table(tmp_path / "axolotl-job" / "train.parquet").num_rows == 2
+    # the config's own plugins too, after overbrainer's; config.yaml is left as it is
+    assert trainer.commands()[0][-1] == ('--plugins=["overbrainer_portable.axolotl_plugin.OverbrainerPlugin", '
+                                         '"axolotl.integrations.liger.LigerPlugin"]')
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text()) == cfg
     assert (tmp_path / "axolotl-job" / "overbrainer_portable" / "axolotl_plugin.py").is_file()
 
 
@@ -121,7 +146,7 @@ def test_several_processes_need_as_many_gpus(tmp_path, monkeypatch):
     from overbrainer.errors import OverbrainerError
 
     monkeypatch.setattr(tools, "nvidia_gpus", lambda: 0)
-    (tmp_path / "examples.parquet").write_bytes(b"PAR1")
+    (tmp_path / "train.parquet").write_bytes(b"PAR1")
     (tmp_path / "config.yaml").write_text("max_steps: 4\nadapter: lora\n")
     with pytest.raises(OverbrainerError, match="train.processes is 2, but the Axolotl trainer runs one process per GPU"):
         Axolotl(processes=2).prepare(tmp_path, str(tmp_path))
@@ -197,22 +222,49 @@ def check(python: Path, config: Path, run_dir: Path) -> subprocess.CompletedProc
 
 
 @pytest.mark.slow  # the Axolotl environment: built once, minutes; then an import of Axolotl
-def test_config_passes_axolotl_validation(axolotl_project, axolotl_venv):
+@pytest.mark.axolotl
+def test_config_yaml_passes_axolotl_validation_as_it_is(axolotl_project, axolotl_venv):
+    """The run's own config.yaml, untouched, through Axolotl 0.19.0's validate_config, every
+    key one Axolotl keeps: what `axolotl train config.yaml` runs; with no validation rows too."""
+    for validation in (0, 0.2):  # the last, the plan's own, stays for what follows
+        axolotl_project.plan["split"]["validation"] = validation
+        axolotl_project.write(trainer="axolotl")
+        run_dir = configured(axolotl_project)
+        done = check(axolotl_venv / "bin" / "python", run_dir / "config.yaml", run_dir)
+        assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        assert axolotl_plugin.unknown_keys(cfg, tools.axolotl_keys(axolotl_venv)) == []
+        assert ("test_datasets" in cfg) == (validation > 0)
+    # Axolotl's own dataset loading reads the two files: the train rows only, and the
+    # validation rows as its eval set (Axolotl's load_datasets, in its environment)
     run_dir = configured(axolotl_project)
     Axolotl().prepare(run_dir, str(run_dir))
-    done = check(axolotl_venv / "bin" / "python", run_dir / JOB_CONFIG, run_dir)
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    # the run's own config.yaml is in Axolotl's keys, every one of them (its one dataset
-    # holds both splits, which only the job's config can tell Axolotl apart)
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert axolotl_plugin.unknown_keys(cfg, tools.axolotl_keys(axolotl_venv)) == []
-    job = yaml.safe_load((run_dir / JOB_CONFIG).read_text())
-    assert {k: v for k, v in job.items() if k in cfg and k != "datasets"} == {k: v for k, v in cfg.items() if k != "datasets"} | {
-        "val_set_size": 0.0, "output_dir": "checkpoints"}
-    assert (run_dir / "axolotl-job" / "train.parquet").is_file() and (run_dir / "axolotl-job" / "validation.parquet").is_file()
+    rows = subprocess.run(
+        [str(axolotl_venv / "bin" / "python"), "-c", LOAD_DATASETS, "config.yaml"],
+        capture_output=True, text=True, cwd=run_dir, timeout=600, env={**os.environ, **tools.QUIET_ENV},
+    )
+    assert rows.returncode == 0, rows.stdout[-2000:] + rows.stderr[-3000:]
+    import pyarrow.parquet as pq
+
+    split = pq.read_table(run_dir / "examples.parquet", columns=["split"]).column("split").to_pylist()
+    assert json.loads(rows.stdout.strip().splitlines()[-1]) == {"train": split.count("train"),
+                                                                "eval": split.count("validation")}
+
+
+# the train and eval rows Axolotl itself loads from a config (its CLI's own loading path)
+LOAD_DATASETS = """
+import json, sys
+from axolotl.cli.config import load_cfg
+from axolotl.common.datasets import load_datasets
+from axolotl.cli.args import TrainerCliArgs
+cfg = load_cfg(sys.argv[1])
+meta = load_datasets(cfg=cfg, cli_args=TrainerCliArgs())
+print(json.dumps({"train": len(meta.train_dataset), "eval": len(meta.eval_dataset or [])}))
+"""
 
 
 @pytest.mark.slow  # an import of Axolotl, in its environment
+@pytest.mark.axolotl
 def test_config_typo_is_refused_in_one_line(axolotl_project, axolotl_venv):
     run_dir = configured(axolotl_project)
     config = run_dir / "config.yaml"
@@ -233,12 +285,11 @@ def test_config_typo_is_refused_in_one_line(axolotl_project, axolotl_venv):
     assert any("datasets[0].feild_messages: not an Axolotl setting" in line for line in lines), done.stdout
     # and where overbrainer does not check first (a job run elsewhere), the plugin refuses it
     # as Axolotl loads it, before any training, in the one line the bake tells
-    job_cfg = yaml.safe_load((run_dir / JOB_CONFIG).read_text()) if (run_dir / JOB_CONFIG).exists() else None
-    assert job_cfg is None  # prepare wrote nothing it refused
+    assert not (run_dir / "axolotl-job").exists()  # prepare wrote nothing it refused
     config.write_text(config.read_text().replace("lora_rr: 8\n", ""))
     trainer = Axolotl()
     trainer.prepare(run_dir, str(run_dir))
-    (run_dir / JOB_CONFIG).write_text((run_dir / JOB_CONFIG).read_text() + "lora_rr: 8\n")
+    config.write_text(config.read_text() + "lora_rr: 8\n")
     done = subprocess.run(trainer.commands()[0], cwd=run_dir, env={**os.environ, **trainer.env(str(run_dir))},
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
@@ -252,6 +303,7 @@ def metric_lines(folder: Path) -> list[dict]:
 
 
 @pytest.mark.slow  # Axolotl trains in its own process: about 3 minutes a bake on 2 cores
+@pytest.mark.axolotl
 def test_bake_end_to_end_then_stop_and_resume(axolotl_project, axolotl_venv, tmp_path, tiny_model):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

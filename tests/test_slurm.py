@@ -59,7 +59,8 @@ def slurm(tmp_path_factory):
     conf.write_text("\n".join([
         "ClusterName=overbrainer-test", "SlurmctldHost=localhost",
         f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
-        "AuthType=auth/munge", f"AuthInfo=socket={d}/munge.sock", "CredType=cred/munge",
+        # cred_expire: how long a requeued job waits before it starts again (120 s by default)
+        "AuthType=auth/munge", f"AuthInfo=socket={d}/munge.sock,cred_expire=30", "CredType=cred/munge",
         "SlurmUser=root", "SlurmdUser=root",
         f"StateSaveLocation={d}/state", f"SlurmdSpoolDir={d}/spool",
         f"SlurmctldPidFile={d}/slurmctld.pid", f"SlurmdPidFile={d}/slurmd.pid",
@@ -68,7 +69,7 @@ def slurm(tmp_path_factory):
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "SchedulerType=sched/backfill",
         "SchedulerParameters=sched_interval=1", "AccountingStorageType=accounting_storage/none",
         "JobAcctGatherType=jobacct_gather/none", "JobCompType=jobcomp/none", "MpiDefault=none",
-        "ReturnToService=2", "KillWait=10", "MinJobAge=600", "InactiveLimit=0",
+        "ReturnToService=2", "KillWait=30", "MinJobAge=600", "InactiveLimit=0",
         f"NodeName=localhost CPUs={os.cpu_count()} State=UNKNOWN",
         "PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP", "",
     ]))
@@ -310,3 +311,113 @@ def test_the_time_limit_warning_checkpoints_and_the_next_job_goes_on(plan, refer
     assert jobs[0] == job and len(jobs) == 2 and status["slurm_job"] == jobs[1]
     assert "before its time limit; submitting the next" in (folder / "log.txt").read_text()
     same_model(folder, reference)
+
+
+@pytest.mark.slow  # Slurm's own time limit: a minute or two of waiting for its warning
+def test_a_real_time_limit_ends_the_job_mid_run_and_the_next_job_finishes_it(plan, reference, cluster):
+    """--time=4 with --signal=B:USR1@150: slurmctld itself warns the job 90 to 120 s in (it
+    looks at time limits every 30 s or so; a loaded machine takes most of a minute to start
+    the trainer), the trainer saves and the job ends before its limit, and the next jobs go
+    on from the checkpoint to the same bits as a run here."""
+    plan_path = on_slurm(plan, time="4", grace=150)
+    folder = Path(os.environ["OVERBRAINER_RUNS"]) / "tiny"
+    cli("bake", str(plan_path), "--detach")
+    trainers = hold_at_step(folder, 2)  # mid-run when the warning comes
+    job = run_json(folder)["slurm_job"]
+    try:
+        wait_for(lambda: (folder / "stop").exists(), timeout=240, every=0.5)
+    finally:
+        release(trainers)
+    status = wait_for(lambda: (s := run_json(folder)).get("state") in ("failed", "done", "stopped") and s, timeout=600)
+    assert status["state"] == "done", status
+    end = json.loads((folder / "slurm" / f"end-{job}.json").read_text())
+    assert end["signal"] == "SIGUSR1" and end["exit"] == 0, end
+    jobs = json.loads((folder / "slurm" / "submitted.json").read_text())["jobs"]
+    assert jobs[0] == job and len(jobs) >= 2 and status["slurm_job"] == jobs[-1]
+    log = (folder / "log.txt").read_text()
+    assert "before its time limit; submitting the next" in log and "resuming from step-" in log
+    same_model(folder, reference)
+
+
+@pytest.mark.slow  # a requeue: Slurm's SIGTERM, its KillWait, then the job again
+def test_a_requeued_job_goes_on_from_its_checkpoint(plan, reference, cluster):
+    """"requeue": true, then `scontrol requeue` (what a preemption with PreemptMode=REQUEUE
+    does): the job gets SIGTERM, the trainer saves and ends, Slurm runs job.sh again under
+    the same job id, and it goes on from that checkpoint, no step lost, bit for bit."""
+    plan_path = on_slurm(plan, requeue=True)
+    folder = Path(os.environ["OVERBRAINER_RUNS"]) / "tiny"
+    cli("bake", str(plan_path), "--detach")
+    trainers = hold_at_step(folder, 2)
+    job = run_json(folder)["slurm_job"]
+    assert "#SBATCH --requeue" in (folder / "job.sh").read_text().splitlines()
+    try:
+        subprocess.run(["scontrol", "requeue", job], check=True)
+    finally:
+        release(trainers)
+    status = wait_for(lambda: (s := run_json(folder)).get("state") in ("failed", "done", "stopped") and s, timeout=600)
+    assert status["state"] == "done", status
+    assert json.loads((folder / "slurm" / "submitted.json").read_text())["jobs"] == [job]  # Slurm's requeue, not ours
+    out = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True).stdout
+    assert "Restarts=1" in out, out
+    log = (folder / "log.txt").read_text()
+    step = json.loads((folder / "stopped.json").read_text())["step"] if (folder / "stopped.json").exists() else None
+    assert step is None  # the requeued run took the stop away and finished
+    assert "resuming from step-" in log, log[-2000:]
+    assert not (folder / "stop").exists()
+    same_model(folder, reference)
+
+
+def test_a_node_that_cannot_see_the_run_folder_is_one_line(plan, cluster):
+    """The job runs where the run folder is not (here: what the bake wrote for it is gone
+    before it starts, as on a node without the shared filesystem): one line, no training."""
+    plan_path = on_slurm(plan, sbatch=["--begin=now+4"])
+    folder = Path(os.environ["OVERBRAINER_RUNS"]) / "tiny"
+    cli("bake", str(plan_path), "--detach")
+    wait_for(lambda: run_json(folder).get("slurm_job"), every=0.05)
+    (folder / "slurm" / "job.json").rename(folder / "slurm" / "job.json.away")
+    status = wait_for(lambda: (s := run_json(folder)).get("state") in ("failed", "done", "stopped") and s, timeout=120)
+    assert status["state"] == "failed", status
+    job = status["slurm_job"]
+    assert status["reason"].startswith(f"the Slurm job {job} cannot see the run folder {folder}"), status
+    assert "\n" not in status["reason"] and not (folder / "checkpoints").exists()
+    assert "cannot see the run folder" in (folder / "slurm" / f"{job}.out").read_text()
+
+
+def test_workdir_stages_the_job_checks_it_and_brings_the_result_back(plan, reference, cluster, tmp_path):
+    """"workdir": the job is staged there as an export bundle's job folder, for a run folder
+    the nodes do not see: a copy damaged on the way is refused by its manifest, in one
+    line, and the next bake stages it again, trains there and brings the result back
+    through the import's checks, bit for bit."""
+    scratch = tmp_path / "scratch"
+    plan_path = on_slurm(plan, workdir=str(scratch), sbatch=["--begin=now+3"])
+    folder = Path(os.environ["OVERBRAINER_RUNS"]) / "tiny"
+    cli("bake", str(plan_path), "--detach")
+    wait_for(lambda: run_json(folder).get("slurm_job"), every=0.05)
+    [staged] = scratch.glob("tiny-*")
+    assert (staged / "MANIFEST.json").is_file() and (staged / "base" / "config.json").is_file()
+    with open(staged / "run" / "train.parquet", "ab") as f:
+        f.write(b"\0")  # damaged on the way
+    status = wait_for(lambda: (s := run_json(folder)).get("state") in ("failed", "done", "stopped") and s, timeout=180)
+    assert status["state"] == "failed", status
+    assert "run/train.parquet differs" in status["reason"] and "copy it again" in status["reason"], status
+    assert "\n" not in status["reason"] and not (folder / "checkpoints").exists()
+
+    report = bake(plan_path)
+    assert report["state"] == "done", report
+    same_model(folder, reference)
+    script = (folder / "job.sh").read_text()
+    assert f"-m overbrainer.where.slurm staged {staged}" in script and f"--output={staged}/run/slurm/%j.out" in script
+    assert (staged / "result.tar.gz").is_file() and not (folder / "slurm" / "job.json").exists()
+    job = run_json(folder)["slurm_job"]
+    assert json.loads((staged / "run" / "slurm" / f"end-{job}.json").read_text())["exit"] == 0
+    assert f"the Slurm job {job}'s result is back from {staged}" in (folder / "log.txt").read_text()
+
+
+def test_across_nodes_keeps_the_trainers_own_arguments():
+    """Two nodes: the built-in trainer's command under srun torchrun, its arguments after
+    config.yaml (the plan's device) kept."""
+    from overbrainer.where.slurm import across_nodes
+
+    [command] = across_nodes([["python", "-m", "overbrainer.trainers.builtin", "config.yaml", "--device", "cuda"]], 2, 8)
+    assert command[0] == "srun" and "--nproc-per-node=8" in command
+    assert command[-5:] == ["-m", "overbrainer.trainers.builtin", "config.yaml", "--device", "cuda"]

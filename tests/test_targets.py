@@ -151,7 +151,7 @@ def test_export_run_elsewhere_import_then_bake_equals_here(plan, reference, tmp_
         manifest = json.loads(tar.extractfile(f"tiny-{fp[:8]}/MANIFEST.json").read())
     top = f"tiny-{fp[:8]}/"
     assert {top + n for n in ("MANIFEST.json", "job.json", "run.py", "run.sh", "README.txt", "run/config.yaml",
-                              "run/examples.parquet", "base/config.json", "base/model.safetensors")} <= names
+                              "run/train.parquet", "run/validation.parquet", "base/config.json", "base/model.safetensors")} <= names
     assert not any("checkpoints" in n for n in names)  # nothing to resume from yet
     assert "base_model: ../base" in config
     assert {f["path"] for f in manifest["files"]} == {n[len(top):] for n in names} - {"MANIFEST.json"}
@@ -233,10 +233,10 @@ def test_a_job_checks_its_files_and_its_base_before_training(plan, tmp_path):
     assert "config.json differs from the one this job was made with" in out.stderr
 
     shutil.move(moved, job / "base")
-    with open(job / "run" / "examples.parquet", "ab") as f:
+    with open(job / "run" / "train.parquet", "ab") as f:
         f.write(b"\0")  # damaged on the way
     out = run_job(job, check=2)
-    assert "run/examples.parquet differs" in out.stderr and "copy it again" in out.stderr
+    assert "run/train.parquet differs" in out.stderr and "copy it again" in out.stderr
     assert json.loads((job / "end.json").read_text())["exit"] == 2
     assert not (job / "run" / "checkpoints").exists()
 

@@ -3,8 +3,9 @@
 This file runs in the Axolotl environment (``trainers/axolotl_env.py``), never in
 overbrainer's own, and imports nothing from overbrainer but this folder: ``Axolotl.prepare``
 ships the folder into the run folder as ``axolotl-job/overbrainer_portable/``, the job's
-``PYTHONPATH`` names ``axolotl-job``, and the job's config lists the plugin as
-``plugins: [overbrainer_portable.axolotl_plugin.OverbrainerPlugin]``.
+``PYTHONPATH`` names ``axolotl-job``, and the job's command line names the plugin
+(``--plugins=["overbrainer_portable.axolotl_plugin.OverbrainerPlugin", ...]``, Axolotl's
+override of config.yaml's ``plugins``).
 
 The plugin adds one Hugging Face ``TrainerCallback`` that makes an Axolotl run look, on
 disk, like one of the built-in trainer's (``loop.py``):

@@ -17,8 +17,9 @@ A job folder::
     MANIFEST.json   every file of the job as sent (path, size, blake3): checked first
     README.txt      how to run it and bring the result back
     run/            the run folder as the trainer sees it, where its commands run:
-                    config.yaml (its base_model is ``../base``), examples.parquet, what the
-                    trainer's prepare() wrote, metrics.jsonl and the newest checkpoint so far
+                    config.yaml (its base_model is ``../base``), train.parquet and
+                    validation.parquet, what the trainer's prepare() wrote, metrics.jsonl
+                    and the newest checkpoint so far
     base/           the base model: carried in the bundle, or a link to ``--base PATH``, or
                     downloaded from the hub at its pinned commit; verified before training
 

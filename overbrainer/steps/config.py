@@ -1,7 +1,12 @@
 """Write the trainer's configuration, config.yaml, in Axolotl's own format.
 
-Both trainers read this file; nothing the built-in trainer needs lives only in memory.
-Paths in it are relative to the run folder (the trainer runs there), except ``base_model``.
+It is the config Axolotl runs (``cd runs/<name> && axolotl train config.yaml``) and the one
+the built-in trainer reads: every key in it is one Axolotl 0.19.0 keeps. Paths in it are
+relative to the run folder (the trainer runs there), except ``base_model``. The two splits
+are files of their own beside it, ``train.parquet`` (``datasets``) and ``validation.parquet``
+(``test_datasets``), examples.parquet's rows in its order: Axolotl cannot filter rows by a
+column. Where the built-in trainer computes (train.device, train.deterministic) is not an
+Axolotl setting: the train step gives it on the trainer's command line.
 
 Before anything trains, the chat template (the plan's ``chat_template``, else the base's) must
 render every conversation of examples.parquet with its assistant turns found: a base with no
@@ -18,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import OverbrainerError
-from ..folder import CHECKPOINTS, CONFIG, EXAMPLES
+from ..folder import AXOLOTL_JOB, CHECKPOINTS, CONFIG, TRAIN_SPLIT, VALIDATION_SPLIT
 from ..fsio import write_atomic
 from ..hashing import hash_bytes
 from ..inputs.templates import Template, end_of_turn, resolve_template
@@ -30,8 +35,8 @@ if TYPE_CHECKING:
     from .context import Bake
 
 NAME = "config"
-VERSION = 1
-TARGETS = [CONFIG]
+VERSION = 2
+TARGETS = [CONFIG, TRAIN_SPLIT, VALIDATION_SPLIT]
 
 
 def inputs(bake: Bake) -> dict:
@@ -89,24 +94,27 @@ def special_tokens(base_folder: Path) -> dict:
 
 
 def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: dict, trust_remote_code: bool = False,
-                 chat_template: str | None = None) -> dict:
+                 chat_template: str | None = None, has_validation: bool = True, data_key: str = "") -> dict:
+    """config.yaml: what ``axolotl train config.yaml`` runs (in the run folder), every key
+    one Axolotl 0.19.0 keeps, and what the built-in trainer reads."""
     lora = train.adapter in ("lora", "qlora")
+    dataset = {
+        "ds_type": "parquet",
+        "type": "chat_template",
+        "field_messages": "messages",
+        "roles_to_train": ["assistant"],
+        "train_on_eos": "turn",
+    }
     cfg = {
         "base_model": base_folder,
         "trust_remote_code": trust_remote_code,
         "chat_template": "jinja" if chat_template else "tokenizer_default",
         "chat_template_jinja": chat_template,
         "special_tokens": tokens,
-        "datasets": [
-            {
-                "path": EXAMPLES,
-                "ds_type": "parquet",
-                "type": "chat_template",
-                "field_messages": "messages",
-                "roles_to_train": ["assistant"],
-                "train_on_eos": "turn",
-            }
-        ],
+        # each split from its own file beside config.yaml (Axolotl cannot filter rows by a
+        # column): train.parquet is trained on, validation.parquet evaluated on
+        "datasets": [{"path": TRAIN_SPLIT, **dataset}],
+        "test_datasets": [{"path": VALIDATION_SPLIT, "split": "train", **dataset}] if has_validation else None,
         "val_set_size": 0.0,
         "sequence_len": train.sequence_len,
         "sample_packing": False,
@@ -134,15 +142,29 @@ def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: di
         },
         "warmup_steps": steps["warmup"],
         "output_dir": CHECKPOINTS,
+        "save_strategy": "steps",
         "save_steps": train.save_every,
-        "eval_steps": train.eval_every,
+        "save_safetensors": True,
+        # no validation rows: no evaluation (Axolotl refuses eval_steps without an eval set)
+        "eval_strategy": "steps" if has_validation else None,
+        "eval_steps": train.eval_every if has_validation else None,
+        "logging_steps": 1,
+        # a job resumes from the newest checkpoint-N (Axolotl's; the built-in trainer always does)
+        "auto_resume_from_checkpoints": True,
+        # Axolotl keys its tokenized datasets by the config's paths, not their content: the
+        # data's and the settings' hash keeps an edit from reusing stale ones
+        "dataset_prepared_path": f"{AXOLOTL_JOB}/prepared/{data_key}" if data_key else None,
+        # as the built-in trainer does: a conversation longer than sequence_len is cut, not
+        # dropped (Axolotl's default); one left with nothing to learn is dropped
+        "excess_length_strategy": "truncate",
         "seed": train.seed,
         "train_on_inputs": False,
         "bf16": train.bf16,
         "fp16": False,
         # fp32 matmuls in TF32 on a GPU that has it (10 bits of mantissa where fp32 is asked;
         # bf16 autocast has 7): what TRL and Axolotl users get on an Ampere or newer GPU
-        "tf32": True,
+        # ("auto": Axolotl refuses true on a machine without one, a CPU among them)
+        "tf32": "auto",
         "flash_attention": False,
         "sdp_attention": True,
         "gradient_checkpointing": train.gradient_checkpointing,
@@ -152,11 +174,28 @@ def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: di
         "liger_rms_norm": train.liger or None,
         "liger_glu_activation": train.liger or None,
         "liger_fused_linear_cross_entropy": train.liger or None,
-        # the built-in trainer's own (the Axolotl job config leaves them out)
-        "device": train.device,
-        "deterministic": train.deterministic,
+        "plugins": ["axolotl.integrations.liger.LigerPlugin"] if train.liger else None,
     }
     return {k: v for k, v in cfg.items() if v is not None}
+
+
+def write_splits(examples: Path, run_dir: Path) -> dict[str, int]:
+    """examples.parquet's rows of each split into a file of its own beside config.yaml
+    (train.parquet, validation.parquet; the rows in examples.parquet's order, the latter
+    empty when there are none); the row counts."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(examples, columns=["id", "split", "messages"])
+    rows = {}
+    for split, name in (("train", TRAIN_SPLIT), ("validation", VALIDATION_SPLIT)):
+        part = table.filter(pc.equal(table["split"], split)).select(["id", "messages"])
+        rows[split] = part.num_rows
+        path = run_dir / name
+        tmp = path.with_name(f".{path.name}.tmp")
+        pq.write_table(part, tmp)
+        tmp.replace(path)
+    return rows
 
 
 def size(train: TrainSettings, base_folder: Path):
@@ -342,8 +381,12 @@ def run(bake: Bake, inputs: dict) -> Outputs:
         )
         train = train.model_copy(update={"micro_batch_size": memory.micro_batch_size,
                                          "gradient_accumulation_steps": memory.gradient_accumulation_steps})
+    rows = write_splits(bake.folder.examples, bake.folder.root)
+    settings = build_config(train, base_folder, steps, tokens, bake.plan.trust_remote_code,
+                            template.text if template else None, has_validation=rows["validation"] > 0)
+    key = hash_bytes(json.dumps([inputs["examples"], settings], sort_keys=True).encode())[:16]
     cfg = build_config(train, base_folder, steps, tokens, bake.plan.trust_remote_code,
-                       template.text if template else None)
+                       template.text if template else None, has_validation=rows["validation"] > 0, data_key=key)
     if samples:
         cfg["samples"] = samples
     header = f"# written by overbrainer from {bake.shown(bake.plan_path)}; edits are overwritten\n"
@@ -351,4 +394,4 @@ def run(bake: Bake, inputs: dict) -> Outputs:
 
     write_atomic(bake.folder.config, (header + yaml.safe_dump(cfg, sort_keys=False)).encode())
     # the config as data too: the train step's check reads it from this stamp, not the YAML
-    return Outputs([CONFIG], summary={**steps, "memory": memory.as_dict(), "warnings": warnings, "config": cfg})
+    return Outputs(TARGETS, summary={**steps, "memory": memory.as_dict(), "warnings": warnings, "config": cfg})

@@ -50,7 +50,7 @@ def run(bake: Bake, inputs: dict) -> Outputs:
     merge_into(
         Path(inputs["base_folder"]), checkpoint, bake.folder.merged, tokenizer_settings(cfg),
         lora=inputs["adapter"] in ("lora", "qlora"), trust_remote_code=bool(cfg.get("trust_remote_code")),
-        dtype="bfloat16" if inputs["adapter"] == "qlora" else "float32", device=cfg.get("device", "auto"),
+        dtype="bfloat16" if inputs["adapter"] == "qlora" else "float32", device=bake.plan.train.device,
     )
     return Outputs([MERGED])
 

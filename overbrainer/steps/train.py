@@ -32,8 +32,11 @@ VERSION = 1
 # resumes across a change of them (a checkpoint made on the GPU goes on on the CPU, an
 # out-of-memory run goes on with gradient checkpointing), and a finished one stays done.
 # The math is the same; the bits are the same only on the same device and build.
+# (dataset_prepared_path is where Axolotl caches its tokenized data: keyed by all of the
+# config, it changes with these too, and names no part of the run)
 HOW_IT_COMPUTES = ("device", "deterministic", "torch_compile", "gradient_checkpointing", "liger_rope",
-                   "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy")
+                   "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy",
+                   "dataset_prepared_path")
 # config.yaml keys that say what is looked at while it trains, not what it trains: greedy
 # samples (taken with the RNG state put back) change no weight; a finished run stays done
 WATCHING = ("samples",)
@@ -139,7 +142,7 @@ def launch(bake: Bake, fp: str, max_steps: int) -> int:
     folder = bake.folder
     train = bake.plan.train
     own = dict(nodes=train.nodes, rendezvous=train.rendezvous, run_id=bake.plan.name,
-               deterministic=train.deterministic) if train.trainer == "builtin" else {}
+               deterministic=train.deterministic, device=train.device) if train.trainer == "builtin" else {}
     trainer = get_trainer(train.trainer, processes=train.processes, **own)
     follower = Follower(bake, max_steps, fp)
     # where the plan says: here, an exported bundle, or another machine over ssh

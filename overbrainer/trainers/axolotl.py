@@ -1,18 +1,16 @@
 """The Axolotl trainer: Axolotl 0.19.0, in an environment of its own, behind the Trainer protocol.
 
-The run folder of an Axolotl run is the built-in trainer's, plus ``axolotl-job/``::
+The job runs the run folder's own ``config.yaml``, as the config step wrote it (``cd
+runs/<name> && axolotl train config.yaml`` runs the same training by hand). The run folder
+of an Axolotl run is the built-in trainer's, plus ``axolotl-job/``::
 
     config.yaml                 the config step's, in Axolotl's keys (both trainers read it)
-    examples.parquet            the conversations of both splits, with a ``split`` column
+    train.parquet               its ``datasets``: examples.parquet's train rows
+    validation.parquet          its ``test_datasets``: the validation rows
     axolotl-job/                written by prepare() before every job, a resume's included
-        config.yaml             what Axolotl reads: config.yaml with the datasets pointing
-                                at the two files below, test_datasets, the plugin,
-                                auto_resume_from_checkpoints, logging_steps: 1, the
-                                save/eval strategies and dataset_prepared_path
-        train.parquet           examples.parquet's train rows (id, messages)
-        validation.parquet      its validation rows; absent when there are none (no eval)
         overbrainer_portable/   portable/ as shipped: the plugin (metrics, sidecars, the stop)
-        prepared/<key>/         Axolotl's tokenized datasets, keyed by data and config
+        prepared/<key>/         Axolotl's tokenized datasets (config.yaml's
+                                dataset_prepared_path, keyed by data and settings)
         merged/                 merge-lora's output; the merge step moves it to merged/
     checkpoints/checkpoint-N/   Hugging Face Trainer checkpoints (adapter, optimizer,
                                 scheduler, RNG, trainer_state.json) and the plugin's
@@ -27,11 +25,13 @@ here target runs "python" as its own interpreter, and Axolotl's is another one. 
 run elsewhere (export, ssh: ``root`` is another path), the commands name "python", the
 job's own interpreter, in which the target installs Axolotl; nothing is built here then.
 
-1. train: ``python -m axolotl.cli.train axolotl-job/config.yaml`` (several processes, one
-   per GPU: ``python -m accelerate.commands.launch --multi_gpu --num_processes N -m
-   axolotl.cli.train ...``; Axolotl cannot train on several CPU processes);
-   Axolotl resumes from the newest ``checkpoint-N`` by itself.
-2. merge (LoRA only): ``python -m axolotl.cli.merge_lora axolotl-job/config.yaml
+1. train: ``python -m axolotl.cli.train config.yaml --plugins=[...]`` (several processes,
+   one per GPU: ``python -m accelerate.commands.launch --multi_gpu --num_processes N -m
+   axolotl.cli.train ...``; Axolotl cannot train on several CPU processes); Axolotl
+   resumes from the newest ``checkpoint-N`` by itself. The overbrainer plugin is named on
+   the command line (Axolotl's override of a config key), not in config.yaml: it lives in
+   ``axolotl-job/`` (the job's ``PYTHONPATH``), which a run by hand does not import.
+2. merge (LoRA only): ``python -m axolotl.cli.merge_lora config.yaml --plugins=[...]
    --lora_model_dir=checkpoints/checkpoint-<steps> --output_dir=axolotl-job``, skipped
    after a stop. A full fine-tune's last checkpoint is a model already.
 
@@ -43,8 +43,6 @@ prepare() when the job runs here, and by the plugin as Axolotl loads it, whereve
 
 from __future__ import annotations
 
-import copy
-import hashlib
 import json
 import shutil
 import sys
@@ -64,6 +62,7 @@ from ..folder import (
     META,
     METRICS,
     STOPPED,
+    TRAIN_SPLIT,
     TRAINER_ERROR,
 )
 from ..fsio import replace_folder, write_atomic
@@ -71,7 +70,6 @@ from ..portable import SHIPPED, ship
 from .protocol import STAGE_MERGE, STAGE_TRAIN, Artifacts, NoTrainingData
 
 JOB_DIR = AXOLOTL_JOB
-JOB_CONFIG = f"{JOB_DIR}/config.yaml"
 MERGED_DIR = f"{JOB_DIR}/merged"
 PLUGIN_CLASS = f"{SHIPPED}.axolotl_plugin.OverbrainerPlugin"
 ERROR_FILE = TRAINER_ERROR  # one line the plugin writes when it refuses the config
@@ -89,6 +87,7 @@ class Axolotl:
         self.say = say or _say
         self.max_steps: int | None = None
         self.lora = True
+        self.plugins = [PLUGIN_CLASS]
         self.here = True  # the job runs on this machine (prepare() says otherwise)
 
     # -- the job's files ------------------------------------------------------------------
@@ -99,12 +98,13 @@ class Axolotl:
 
         run_dir = Path(run_dir)
         self.here = Path(root) == run_dir.absolute()
-        examples = run_dir / EXAMPLES
+        examples = run_dir / TRAIN_SPLIT
         if not examples.is_file() or examples.stat().st_size == 0:
-            raise NoTrainingData(examples)
+            raise NoTrainingData(run_dir / EXAMPLES)
         cfg = yaml.safe_load((run_dir / CONFIG).read_text())
         self.max_steps = int(cfg["max_steps"])
         self.lora = cfg.get("adapter") in ("lora", "qlora")
+        self.plugins = [PLUGIN_CLASS, *(p for p in cfg.get("plugins") or [] if p != PLUGIN_CLASS)]
         if self.here and self.processes > 1 and tools.nvidia_gpus() < self.processes:
             # Axolotl puts each process on its own GPU; on CPUs it trains in one process
             raise OverbrainerError(
@@ -112,17 +112,10 @@ class Axolotl:
                 f"machine has {tools.nvidia_gpus()}; set train.processes to at most that (1 on CPUs), or use the "
                 "built-in trainer, which trains on several CPU processes"
             )
-
-        job = run_dir / JOB_DIR
-        job.mkdir(exist_ok=True)
-        rows = _write_splits(examples, job)
-        if not rows["train"]:
-            raise NoTrainingData(examples)
-        job_cfg = job_config(cfg, has_validation=rows["validation"] > 0, key=_data_key(examples, run_dir / CONFIG))
         unknown = []
         if self.here:
             env = tools.axolotl_env(say=self.say, log=run_dir / LOG)
-            unknown = unknown_keys(job_cfg, tools.axolotl_keys(env))
+            unknown = unknown_keys(cfg, tools.axolotl_keys(env))
         if unknown:
             raise AxolotlConfigError(
                 f"{run_dir / CONFIG}: {unknown[0]}: not an Axolotl {tools.AXOLOTL_VERSION} setting, "
@@ -130,10 +123,10 @@ class Axolotl:
                 + (f" ({len(unknown) - 1} more: {', '.join(unknown[1:4])})" if len(unknown) > 1 else "")
             )
 
+        job = run_dir / JOB_DIR
+        job.mkdir(exist_ok=True)
         ship(job)
-        write_atomic(job / CONFIG, "# written by overbrainer from ../config.yaml before each job\n"
-                    + yaml.safe_dump(job_cfg, sort_keys=False))
-        _remove_stale(run_dir, job, job_cfg["dataset_prepared_path"])
+        _remove_stale(run_dir, job, cfg.get("dataset_prepared_path"))
         for said in (STOPPED, ERROR_FILE):
             (run_dir / said).unlink(missing_ok=True)
 
@@ -142,18 +135,20 @@ class Axolotl:
     def commands(self) -> list[list[str]]:
         from . import axolotl_env as tools
 
+        if self.max_steps is None:
+            raise RuntimeError("Axolotl.commands() names the config's plugins and final checkpoint: call prepare() first")
         python = str(tools.axolotl_python()) if self.here else "python"
+        # Axolotl's own override of a config key (its CLI reads the value as a Python literal)
+        plugins = f"--plugins={json.dumps(self.plugins)}"
         if self.processes > 1:
             # one process per GPU (Axolotl's way); a DeepSpeed config in config.yaml is Axolotl's
             train = [python, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(self.processes),
-                     "-m", "axolotl.cli.train", JOB_CONFIG]
+                     "-m", "axolotl.cli.train", CONFIG, plugins]
         else:
-            train = [python, "-m", "axolotl.cli.train", JOB_CONFIG]
+            train = [python, "-m", "axolotl.cli.train", CONFIG, plugins]
         if not self.lora:
             return [train]
-        if self.max_steps is None:
-            raise RuntimeError("Axolotl.commands() names the final checkpoint: call prepare() first")
-        merge = [python, "-m", "axolotl.cli.merge_lora", JOB_CONFIG,
+        merge = [python, "-m", "axolotl.cli.merge_lora", CONFIG, plugins,
                  f"--lora_model_dir=checkpoints/checkpoint-{self.max_steps}", f"--output_dir={JOB_DIR}"]
         return [train, merge]
 
@@ -195,41 +190,6 @@ class Axolotl:
         return True
 
 
-def job_config(cfg: dict, has_validation: bool, key: str) -> dict:
-    """The config Axolotl reads, from the run's config.yaml: each split from its own file
-    (Axolotl cannot filter rows by a column), and what overbrainer needs of the run."""
-    out = copy.deepcopy(cfg)
-    dataset = {k: v for k, v in cfg["datasets"][0].items() if k not in ("path", "ds_type", "split")}
-    out["datasets"] = [{"path": f"{JOB_DIR}/train.parquet", "ds_type": "parquet", **copy.deepcopy(dataset)}]
-    out["val_set_size"] = 0.0
-    if has_validation:
-        out["test_datasets"] = [
-            {"path": f"{JOB_DIR}/validation.parquet", "ds_type": "parquet", "split": "train", **copy.deepcopy(dataset)}
-        ]
-        out["eval_strategy"] = "steps"
-    else:
-        out.pop("test_datasets", None)
-        out["eval_strategy"] = "no"  # eval_steps stays: the plugin logs eval_loss null then
-    out.update(
-        plugins=[PLUGIN_CLASS],
-        output_dir=CHECKPOINTS,
-        save_strategy="steps",
-        logging_steps=1,
-        auto_resume_from_checkpoints=True,
-        dataset_prepared_path=f"{JOB_DIR}/prepared/{key}",
-        save_safetensors=True,
-        # as the built-in trainer does: a conversation longer than sequence_len is cut, not
-        # dropped (Axolotl's default); one left with nothing to learn is dropped
-        excess_length_strategy=cfg.get("excess_length_strategy", "truncate"),
-    )
-    # the built-in trainer's own keys, which Axolotl does not know
-    for key in ("device", "deterministic", "samples"):
-        out.pop(key, None)
-    if out.get("liger_rms_norm"):
-        out["plugins"] = [*out["plugins"], "axolotl.integrations.liger.LigerPlugin"]
-    return out
-
-
 def adopt_merged(run_dir: Path, checkpoint: Path, dest: Path, special_tokens: dict) -> bool:
     """Move merge-lora's output to `dest` when it is there, whole, and made from
     `checkpoint` (after it, by the job that wrote it); False when it is not.
@@ -261,36 +221,7 @@ def adopt_merged(run_dir: Path, checkpoint: Path, dest: Path, special_tokens: di
     return True
 
 
-def _write_splits(examples: Path, job: Path) -> dict[str, int]:
-    """examples.parquet's rows of each split into their own file; the row counts."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(examples, columns=["id", "split", "messages"])
-    rows = {}
-    for split in ("train", "validation"):
-        part = table.filter(pc.equal(table["split"], split)).select(["id", "messages"])
-        rows[split] = part.num_rows
-        path = job / f"{split}.parquet"
-        if part.num_rows:
-            tmp = path.with_name(f".{path.name}.tmp")
-            pq.write_table(part, tmp)
-            tmp.replace(path)
-        else:
-            path.unlink(missing_ok=True)
-    return rows
-
-
-def _data_key(*files: Path) -> str:
-    """Axolotl keys its tokenized datasets by the config's paths, not by their content:
-    the data and config's own hash keeps an edit from reusing stale ones."""
-    digest = hashlib.sha256()
-    for f in files:
-        digest.update(f.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def _remove_stale(run_dir: Path, job: Path, prepared: str) -> None:
+def _remove_stale(run_dir: Path, job: Path, prepared: str | None) -> None:
     """What a killed or older job left that must not be used."""
     checkpoints = run_dir / CHECKPOINTS
     if checkpoints.is_dir():
@@ -298,7 +229,7 @@ def _remove_stale(run_dir: Path, job: Path, prepared: str) -> None:
             if p.is_dir() and not (p / META).is_file():
                 shutil.rmtree(p, ignore_errors=True)  # half-written: Axolotl would resume from it
     shutil.rmtree(job / MERGED, ignore_errors=True)
-    keep = (run_dir / prepared).name
+    keep = Path(prepared).name if prepared else None
     if (job / "prepared").is_dir():
         for p in (job / "prepared").iterdir():
             if p.name != keep:

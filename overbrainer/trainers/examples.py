@@ -78,20 +78,28 @@ def tokenize(tokenizer, messages: list[dict], max_len: int) -> Example:
     return Example(ids[:max_len], labels[:max_len])
 
 
-def load_examples(path: Path, tokenizer, max_len: int) -> tuple[list[Example], list[Example], int]:
-    """Train and validation examples from examples.parquet, and how many were dropped
-    because truncation to `max_len` left them no assistant token."""
+def load_examples(path: Path, tokenizer, max_len: int,
+                  validation: Path | None = None) -> tuple[list[Example], list[Example], int]:
+    """Train and validation examples, and how many were dropped because truncation to
+    `max_len` left them no assistant token: from config.yaml's split files (`path` the
+    train rows, `validation` the validation rows, None when there are none), or from a
+    `path` with a ``split`` column (examples.parquet)."""
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path, columns=["split", "messages"])
-    train, validation, dropped = [], [], 0
-    for split, messages in zip(table.column("split").to_pylist(), table.column("messages").to_pylist()):
+    if "split" in pq.read_schema(path).names:
+        table = pq.read_table(path, columns=["split", "messages"])
+        rows = zip(table.column("split").to_pylist(), table.column("messages").to_pylist())
+    else:
+        parts = [("train", path)] + ([("validation", validation)] if validation is not None else [])
+        rows = [(split, m) for split, p in parts for m in pq.read_table(p, columns=["messages"]).column("messages").to_pylist()]
+    train, held_out, dropped = [], [], 0
+    for split, messages in rows:
         example = tokenize(tokenizer, messages, max_len)
         if example.loss_tokens == 0:
             dropped += 1
             continue
-        (train if split == "train" else validation).append(example)
-    return train, validation, dropped
+        (train if split == "train" else held_out).append(example)
+    return train, held_out, dropped
 
 
 GROUP_STEPS = 64  # steps whose conversations are grouped by length together (group_by_length)

@@ -87,7 +87,7 @@ def target_for(where, base: Base, hashes: HashCache, plan_dir: Path,
     if isinstance(where, SlurmTarget):
         from .slurm import Slurm
 
-        return Slurm(where.slurm, processes, say, tell)
+        return Slurm(where.slurm, processes, say, tell, base=base, hashes=hashes, plan_dir=plan_dir)
     from .ssh import SSH
 
     return SSH(where, base, hashes, plan_dir, say)

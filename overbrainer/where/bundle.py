@@ -13,7 +13,8 @@ export packs it into a bundle, ``runs/<name>/export/``::
 ``<fp8>`` is the start of the train step's fingerprint: a bundle of other settings is
 another folder, so that unpacking it never mixes its checkpoints with another run's.
 
-What travels: config.yaml (its ``base_model`` is ``../base``), examples.parquet, what the
+What travels: config.yaml (its ``base_model`` is ``../base``), the split files it names
+(train.parquet, validation.parquet), what the
 trainer's prepare() writes, metrics.jsonl and the newest checkpoint so far (to resume
 from), and the base model when it cannot be fetched by the job itself: a local folder or
 GGUF base is carried in ``base/``; a hub base is downloaded by the job at its pinned commit
@@ -36,7 +37,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import OverbrainerError
-from ..folder import CONFIG, EXAMPLES, EXPORT, RunFolder
+from ..folder import CONFIG, EXPORT, TRAIN_SPLIT, VALIDATION_SPLIT, RunFolder
 from ..fsio import write_atomic
 from ..hashing import HashCache, hash_file
 from ..inputs.base_cache import SOURCE_FILE
@@ -125,7 +126,7 @@ def stage_job(trainer, run_dir: Path, fingerprint: str, base: Base, root: str, h
     cfg["base_model"] = "../base"  # the job folder's base/, whatever it is there
     header = "# overbrainer's config.yaml for a job folder: base_model is the job's base/\n"
     (stage / CONFIG).write_text(header + yaml.safe_dump(cfg, sort_keys=False))
-    for name in (EXAMPLES, trainer.metrics_file()):
+    for name in (TRAIN_SPLIT, VALIDATION_SPLIT, trainer.metrics_file()):
         if (run_dir / name).is_file():
             shutil.copy2(run_dir / name, stage / name)
     try:

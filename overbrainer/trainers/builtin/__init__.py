@@ -8,15 +8,25 @@ one per GPU (or CPU process) under torchrun.
     ../dist.py  the ranks: DDP, no_sync during accumulation, sums and agreement
 
 Everything it needs is already in the run folder when the config step is done
-(``config.yaml`` and ``examples.parquet``), so `prepare` only checks there is something
-to train on.
+(``config.yaml`` and the split files it names, ``train.parquet`` and ``validation.parquet``),
+so `prepare` only checks there is something to train on.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ...folder import CHECKPOINTS, CONFIG, EXAMPLES, LOG, METRICS, SAMPLES, STOPPED, TRAINER_ERROR
+from ...folder import (
+    CHECKPOINTS,
+    CONFIG,
+    EXAMPLES,
+    LOG,
+    METRICS,
+    SAMPLES,
+    STOPPED,
+    TRAIN_SPLIT,
+    TRAINER_ERROR,
+)
 from ..protocol import STAGE_TRAIN, Artifacts, NoTrainingData
 
 
@@ -24,18 +34,22 @@ class Builtin:
     name = "builtin"
 
     def __init__(self, processes: int = 1, threads: int | None = None, nodes: int = 1,
-                 rendezvous: str | None = None, run_id: str = "overbrainer", deterministic: bool = False):
+                 rendezvous: str | None = None, run_id: str = "overbrainer", deterministic: bool = False,
+                 device: str = "auto"):
         self.processes, self.threads = processes, threads
+        self.device = device
         self.nodes, self.rendezvous, self.run_id = nodes, rendezvous, run_id
         self.deterministic = deterministic
 
     def prepare(self, run_dir: Path, root: str) -> None:
-        examples = Path(run_dir) / EXAMPLES
+        examples = Path(run_dir) / TRAIN_SPLIT
         if not examples.is_file() or examples.stat().st_size == 0:
-            raise NoTrainingData(examples)
+            raise NoTrainingData(Path(run_dir) / EXAMPLES)
 
     def commands(self) -> list[list[str]]:
-        loop = ["-m", "overbrainer.trainers.builtin", CONFIG]
+        # where it computes is the plan's, not config.yaml's (not an Axolotl setting)
+        own = (["--device", self.device] if self.device != "auto" else []) + (["--deterministic"] if self.deterministic else [])
+        loop = ["-m", "overbrainer.trainers.builtin", CONFIG, *own]
         if self.nodes > 1:
             # torch's own launcher on every machine, meeting at the rendezvous (c10d's store
             # runs on the machine whose address it names); node ranks are its to give

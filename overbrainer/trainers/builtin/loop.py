@@ -95,22 +95,25 @@ class Training:
 # -- setup -------------------------------------------------------------------------------
 
 
-def setup(cfg: dict, run_dir: Path) -> Training:
+def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = False) -> Training:
     """The model on its device, the data, the optimizer and the schedule; then the newest
     complete checkpoint's state, when there is one."""
     world = World()
     try:
-        device = hw.pick(cfg.get("device", "auto"), world.local_rank)
+        device = hw.pick(device, world.local_rank)
     except hw.Unavailable as e:
         raise GiveUp(str(e), 2) from None
-    hw.configure(device, bool(cfg.get("deterministic")), bool(cfg.get("tf32")))
+    hw.configure(device, deterministic, cfg.get("tf32") in (True, "auto"))
     world.connect(device)
     torch.manual_seed(cfg["seed"])  # the same initial adapter on every rank
     bf16 = hw.use_bf16(cfg.get("bf16", False), device)
     model, tokenizer = load_model(cfg, device, bf16)
     if world.size > 1:
         torch.manual_seed(cfg["seed"] + 7919 * world.rank)  # but its own dropout
-    train_set, val_set, dropped = load_examples(run_dir / cfg["datasets"][0]["path"], tokenizer, cfg["sequence_len"])
+    # config.yaml's datasets and test_datasets, as Axolotl reads them
+    held_out = cfg.get("test_datasets") or []
+    train_set, val_set, dropped = load_examples(run_dir / cfg["datasets"][0]["path"], tokenizer, cfg["sequence_len"],
+                                                validation=run_dir / held_out[0]["path"] if held_out else None)
     if not train_set:
         raise GiveUp("no training conversation keeps an assistant token within train.sequence_len; "
                      "raise train.sequence_len", 3)
@@ -292,15 +295,16 @@ def out_of_memory(t: Training) -> GiveUp:
 # -- the loop ----------------------------------------------------------------------------
 
 
-def train(config_path: Path) -> int:
+def train(config_path: Path, device: str = "auto", deterministic: bool = False) -> int:
     cfg = yaml.safe_load(config_path.read_text())
     run_dir = config_path.parent
     folder = RunFolder(run_dir)
     metrics_path = folder.metrics
     stop_request, stopped_marker = folder.stop_request, folder.stopped_marker
-    t = setup(cfg, run_dir)
+    t = setup(cfg, run_dir, device, deterministic)
     world, max_steps = t.world, cfg["max_steps"]
-    save_every, eval_every = cfg["save_steps"], cfg["eval_steps"]
+    # no eval_steps: no validation rows (config.yaml has no test_datasets then)
+    save_every, eval_every = cfg["save_steps"], cfg.get("eval_steps") or max_steps
     warmup, stable = cfg["warmup_steps"], cfg["lr_scheduler_kwargs"]["num_stable_steps"]
     samples = cfg.get("samples")
     if world.main:
@@ -417,11 +421,17 @@ def _stop_on_signal(stop_request: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m overbrainer.trainers.builtin RUN_DIR/config.yaml", file=sys.stderr)
-        return 2
-    config = Path(argv[0]).absolute()
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m overbrainer.trainers.builtin",
+                                     description="the built-in trainer, on a run folder's config.yaml")
+    parser.add_argument("config", type=Path, help="RUN_DIR/config.yaml")
+    # where it computes: the plan's train.device and train.deterministic, which are not
+    # Axolotl settings and so not config.yaml's
+    parser.add_argument("--device", default="auto", help="auto, cpu, mps, cuda or cuda:N (default auto)")
+    parser.add_argument("--deterministic", action="store_true", help="deterministic kernels (torch)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    config = args.config.absolute()
     (config.parent / ERROR_FILE).unlink(missing_ok=True)
     if "LOCAL_RANK" in os.environ:
         # under torchrun: die with it (a killed bake kills torchrun, which cannot then
@@ -429,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         die_with_parent()
     _stop_on_signal(RunFolder(config.parent).stop_request)
     try:
-        return train(config)
+        return train(config, args.device, args.deterministic)
     except DiskFull as e:
         return fail(config.parent, str(e), 4)
     except GiveUp as e:
