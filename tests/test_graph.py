@@ -176,7 +176,7 @@ def test_renderings():
 
     text = explain.render(states, "text", plan="demo.json")
     assert text.splitlines()[0].split() == ["step", "status", "after", "writes"]
-    assert re.search(r"^config\s+stale\s+base, split\s+config\.yaml$", text, re.M)
+    assert re.search(r"^config\s+stale\s+base, split\s+config\.yaml\s+train\.parquet\s+validation\.parquet$", text, re.M)
     coloured = explain.render(states, "text", plan="demo.json", color=True)
     assert "\033[34mrunning" in coloured
     neutral = explain.render(explain.steps(), "text", plan="demo.json")
