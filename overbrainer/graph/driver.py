@@ -168,6 +168,11 @@ def dry_run(bake: Bake) -> list[dict]:
         # follows a step before it (waits for it, or is up to date until that one reruns)
         own = status.fingerprint is not None and not status.up_to_date
         why = status.reason if own or not after else f"after {', '.join(after)}"
+        foresee = getattr(module, "foresee", None)
+        if not own and after == ["config"] and foresee is not None:
+            # what it would go on from, once config has rerun (train: the stable phase)
+            note = foresee(bake)
+            why = f"{why}; {note}" if note else why
         rows.append({"step": module.NAME, "run": True, "why": why})
     if bake.folder.root.is_dir():  # a plan never baked gets no folder from a dry run
         bake.hashes.save()

@@ -120,7 +120,7 @@ def why(bake: Bake, step: str | None = None) -> list[StepState]:
         if state.status != "stale":
             continue
         if state.why.startswith("after "):
-            state.changes = [{"kind": "upstream", "step": s} for s in state.why[6:].split(", ")]
+            state.changes = [{"kind": "upstream", "step": s} for s in state.why[6:].split("; ")[0].split(", ")]
             continue
         state.changes = _changes(bake, state.step)
         state.reruns = downstream(state.step)
@@ -213,6 +213,8 @@ def why_text(states: list[StepState]) -> str:
             continue
         lines.append(f"{s.step}: stale")
         lines.extend(f"  {_change_line(c)}" for c in s.changes or [{"kind": "other", "why": s.why}])
+        if s.changes and "; resumes from " in s.why:  # what of its outputs it goes on from
+            lines.append(f"  {s.why.split('; ', 1)[1]}")
         lines.append(f"  makes rerun: {', '.join(s.reruns)}" if s.reruns else "  makes nothing else rerun")
     return "\n".join(lines) + "\n"
 

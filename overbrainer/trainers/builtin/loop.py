@@ -155,6 +155,13 @@ def resume(t: Training) -> None:
     state = ckpt.load_state(folder)  # on the CPU: optimizer.load_state_dict moves it to the params
     t.optimizer.load_state_dict(state["optimizer"])
     t.scheduler.load_state_dict(state["scheduler"])
+    # the next step's learning rate from this run's schedule, not the one saved: a checkpoint
+    # of the stable phase may come from a run of another length (the train step's
+    # trajectory), whose schedule gives its last step another rate (the same on a plain resume)
+    rates = [base * rate(t.scheduler.last_epoch) for base, rate in zip(t.scheduler.base_lrs, t.scheduler.lr_lambdas)]
+    for group, lr in zip(t.optimizer.param_groups, rates):
+        group["lr"] = lr
+    t.scheduler._last_lr = rates
     ckpt.set_rng_state(state["rng"] if t.world.size == 1 else ckpt.load_rank_rng(folder, t.world.rank))
     t.step, t.saved_step = step, step
     t.tokens, t.seconds = meta["tokens"], meta["seconds"]
@@ -234,6 +241,10 @@ def save(t: Training, k: int) -> None:
         "seconds": round(t.seconds, 3),
         "data": t.order.position(k),
         "fingerprint": os.environ.get("OVERBRAINER_FINGERPRINT", ""),
+        # what shaped the weights so far, and where this run's decay begins: a run of
+        # another length resumes from this checkpoint when it is before both decays
+        "trajectory": os.environ.get("OVERBRAINER_TRAJECTORY", ""),
+        "decay_start": warmup + stable,
         "adapter": cfg.get("adapter") or "full",
         "base_model": cfg["base_model"],
         "world_size": t.world.size,
@@ -278,6 +289,7 @@ def train(config_path: Path) -> int:
     t = setup(cfg, run_dir)
     world, max_steps = t.world, cfg["max_steps"]
     save_every, eval_every = cfg["save_steps"], cfg["eval_steps"]
+    save_at = set(cfg.get("save_at") or ())  # where budgets branch off (train.budgets)
     warmup, stable = cfg["warmup_steps"], cfg["lr_scheduler_kwargs"]["num_stable_steps"]
     if world.main:
         truncate_metrics(metrics_path, t.step)
@@ -350,7 +362,7 @@ def train(config_path: Path) -> int:
         )
 
         # checkpoint, last: a kill anywhere above loses at most this step
-        if t.step % save_every == 0 or t.step == max_steps:
+        if t.step % save_every == 0 or t.step == max_steps or t.step in save_at:
             save(t, t.step)
 
     world.close()
