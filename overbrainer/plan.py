@@ -183,6 +183,9 @@ class TrainSettings(_Settings):
             raise ValueError("set either steps or epochs, not both")
         if self.budgets is not None and (self.steps is not None or self.epochs is not None):
             raise ValueError("set either budgets or steps/epochs, not both (each budget is a length)")
+        if self.budgets is not None and self.trainer != "builtin":
+            raise ValueError("train.budgets branches decays off the built-in trainer's checkpoints; "
+                             "set train.trainer to builtin, or train one length with train.steps")
         if self.steps is not None:
             self._fits_in(self.steps, "train.steps")
         for budget in self.budgets or []:

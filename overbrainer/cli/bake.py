@@ -1,5 +1,6 @@
 """The commands that bake a plan: ``bake`` (with --dry-run, --check, --detach, --foreground),
-and ``split`` (the split step alone)."""
+``split`` (the split step alone) and ``decay`` (a finished model branched off a stable
+checkpoint)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from ..errors import OverbrainerError
 from ..folder import RunFolder
-from .common import shown
+from .common import find_run, shown
 
 
 def add_parsers(sub) -> None:
@@ -32,6 +33,14 @@ def add_parsers(sub) -> None:
     p.add_argument("plan", help="the plan file, e.g. plans/demo.json")
     p.add_argument("--json", action="store_true", help="one JSON object: folder, rows, train, validation")
     p.set_defaults(func=cmd_split)
+
+    p = sub.add_parser("decay", help="a finished model from a stable-phase checkpoint: a decay of its own, "
+                                     "merged and baked under branches/at-STEP/")
+    p.add_argument("run", help="the run (its folder, its name, or its plan)")
+    p.add_argument("--at", type=int, required=True, help="the stable checkpoint's step (`overbrainer checkpoints RUN`)")
+    p.add_argument("--steps", type=int, help="decay steps (default: the run's own decay)")
+    p.add_argument("--json", action="store_true", help="one JSON object: branch, folder, steps run and skipped")
+    p.set_defaults(func=cmd_decay)
 
 
 def cmd_bake(args) -> int:
@@ -87,6 +96,33 @@ def cmd_split(args) -> int:
     if args.json:
         print(json.dumps({"folder": str(bake.folder.root), "examples": str(bake.folder.examples),
                           "ran": done.ran, **{k: summary[k] for k in ("rows", "train", "validation", "duplicates")}}))
+    return 0
+
+
+def cmd_decay(args) -> int:
+    """Branch a decay off the run's checkpoint at ``--at``, merge and bake it, in this
+    process: ``branches/at-STEP/``. Done already: nothing to do; interrupted: it goes on."""
+    from ..errors import RunStateError
+    from ..graph.driver import compile_bake, run_bake
+    from ..graph.tasks import GROUP
+    from ..steps.branch import make_at_branch
+
+    out = sys.stderr if args.json else sys.stdout
+    run = find_run(args.run, args.runs)
+    plan = run.status.get("plan_file")
+    if not plan or not Path(plan).is_file():
+        raise RunStateError(f"{shown(run.folder.root)}: its plan file {plan or '(none recorded)'} is not there; "
+                            "bake the plan again first, or give its plan (`overbrainer decay PLAN --at STEP`)")
+    bake = compile_bake(plan, runs=run.folder.root.parent, say=lambda message: print(message, file=out, flush=True))
+    label = make_at_branch(bake, args.at, args.steps)
+    done = run_bake(bake, task=[f"{GROUP}:bake@{label}"])  # doit runs what it reads first
+    if done.error is not None:
+        raise done.error
+    folder = bake.folder.branch(label)
+    print(f"baked: {shown(folder.baked)}" if done.ran else f"everything is up to date: {shown(folder.baked)}", file=out)
+    if args.json:
+        print(json.dumps({"branch": label, "folder": str(folder.root), "baked": str(folder.baked),
+                          "ran": done.ran, "skipped": done.skipped}))
     return 0
 
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import OverbrainerError
 from ..stamps import input_changes, read_stamp, short
-from .tasks import DEPS, STEPS, downstream
+from .tasks import downstream, graph_of
 
 if TYPE_CHECKING:
     from ..steps.context import Bake
@@ -59,9 +59,11 @@ class StepState:
     reruns: list[str] = field(default_factory=list)  # the steps after it that it makes rerun
 
 
-def steps() -> list[StepState]:
-    """The graph alone, without statuses: the same on every machine (the README's copy)."""
-    return [StepState(m.NAME, list(m.TARGETS), list(DEPS[m.NAME])) for m in STEPS]
+def steps(bake: Bake | None = None) -> list[StepState]:
+    """The graph alone, without statuses: the same on every machine (the README's copy);
+    with `bake`, that bake's (its budgets' and its decays' branches)."""
+    graph, deps = graph_of(bake)
+    return [StepState(m.NAME, list(m.TARGETS), list(deps[m.NAME])) for m in graph]
 
 
 def survey(bake: Bake) -> list[StepState]:
@@ -71,7 +73,7 @@ def survey(bake: Bake) -> list[StepState]:
     rows = {row["step"]: row for row in dry_run(bake)}
     current = _in_progress(bake)
     out = []
-    for state in steps():
+    for state in steps(bake):
         row = rows[state.step]
         has_stamp = read_stamp(bake.folder.stamp(state.step)) is not None
         if state.step == current:
@@ -95,11 +97,12 @@ def _in_progress(bake: Bake) -> str | None:
     status = journal.status(bake.folder)  # a process that died is not shown as running
     if status.get("state") not in journal.ACTIVE:
         return None
-    if status.get("task") in DEPS:
+    graph, deps = graph_of(bake)
+    if status.get("task") in deps:
         return status["task"]
     # a run.json from before it named its step: steps run in order, each deleting its
     # stamp when it starts, so the first one without a stamp is the one under way
-    for module in STEPS:
+    for module in graph:
         if read_stamp(bake.folder.stamp(module.NAME)) is None:
             return module.NAME
     return None
@@ -111,8 +114,9 @@ def _in_progress(bake: Bake) -> str | None:
 def why(bake: Bake, step: str | None = None) -> list[StepState]:
     """Every step (or `step`, with the stale steps before it that make it rerun), with what
     changed and what it makes rerun."""
-    if step is not None and step not in DEPS:
-        names = ", ".join(DEPS)
+    deps = graph_of(bake)[1]
+    if step is not None and step not in deps:
+        names = ", ".join(deps)
         raise OverbrainerError(f"why: no step {step!r}; the steps are {names}")
     states = survey(bake)
     by_name = {s.step: s for s in states}
@@ -123,14 +127,14 @@ def why(bake: Bake, step: str | None = None) -> list[StepState]:
             state.changes = [{"kind": "upstream", "step": s} for s in state.why[6:].split("; ")[0].split(", ")]
             continue
         state.changes = _changes(bake, state.step)
-        state.reruns = downstream(state.step)
+        state.reruns = downstream(state.step, bake)
     if step is None:
         return states
     if by_name[step].status in ("done", "running"):
         return [by_name[step]]
     # the steps before it that make it run: those that never ran, or whose own inputs,
     # outputs or code changed (not those that only follow another)
-    before = _before(step)
+    before = _before(step, deps)
     return [s for s in states if s.step == step or (s.step in before and _is_cause(s))]
 
 
@@ -138,15 +142,15 @@ def _is_cause(s: StepState) -> bool:
     return s.status in ("missing", "running") or (s.status == "stale" and not s.why.startswith("after "))
 
 
-def _before(name: str) -> set[str]:
+def _before(name: str, deps: dict) -> set[str]:
     """Every step whose outputs `name` reads, directly or not."""
     out: set[str] = set()
-    todo = list(DEPS[name])
+    todo = list(deps[name])
     while todo:
         d = todo.pop()
         if d not in out:
             out.add(d)
-            todo.extend(DEPS[d])
+            todo.extend(deps[d])
     return out
 
 
@@ -155,7 +159,7 @@ def _changes(bake: Bake, name: str) -> list[dict]:
     from ..steps import NotReady
     from .tasks import step as step_module
 
-    module = step_module(name)
+    module = step_module(name, bake)
     stamp = read_stamp(bake.folder.stamp(name))
     if stamp is None:
         return []
@@ -182,7 +186,7 @@ def _output_changes(bake: Bake, stamp) -> list[dict]:
     (the same test as `stamps.verify`: a matching size and mtime is trusted)."""
     from pathlib import Path
 
-    root = Path(stamp.root) if stamp.root else bake.folder.root
+    root = bake.folder.root / stamp.root
     out = []
     for entry in stamp.outputs:
         path = root / entry["path"]

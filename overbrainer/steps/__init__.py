@@ -121,7 +121,7 @@ def execute(bake: Bake, module: ModuleType) -> bool:
     out = module.run(bake, status.inputs)
     from ..stamps import manifest
 
-    root = out.root or str(bake.folder.root)
+    root = bake.folder.root / out.root  # "" is the run folder; a branch's root is relative to it
     files = manifest(root, out.entries, bake.hashes)
     write_stamp(
         stamp_path,

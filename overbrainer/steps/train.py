@@ -127,7 +127,9 @@ def trajectory(inputs: dict) -> str:
     but where the run ends and where its decay begins."""
     cfg = {k: v for k, v in inputs["config"].items() if k not in WHERE_IT_ENDS}
     cfg["lr_scheduler_kwargs"] = {k: v for k, v in cfg["lr_scheduler_kwargs"].items() if k not in WHERE_DECAY_BEGINS}
-    return fingerprint("trajectory", 1, {**inputs, "config": cfg})
+    # (a branch's inputs name the trunk checkpoint it decays from: a cache of its first steps)
+    rest = {k: v for k, v in inputs.items() if k != "branch"}
+    return fingerprint("trajectory", 1, {**rest, "config": cfg})
 
 
 def decay_start(cfg: dict) -> int:
@@ -272,6 +274,9 @@ class Follower:
                 self.mirror.lines(_read_lines(folder.metrics, 0)[0])
 
     def poll(self) -> None:
+        trunk_stop = getattr(self.bake.folder, "trunk_stop", None)
+        if trunk_stop is not None and trunk_stop.exists():  # a branch's trainer: a stop asked of the run
+            self.bake.folder.stop_request.touch()
         lines, self.seen = _read_lines(self.bake.folder.metrics, self.seen)
         for m in lines:
             _show(self.bake, m, self.max_steps)
