@@ -134,7 +134,7 @@ def _bake_check(bake, report: dict, as_json: bool, out) -> int:
     for row in rows:
         print(f"would run {row['step']:<8} {row['why']}", file=out)
     if not rows:
-        print(f"everything is up to date: {bake.shown(bake.folder.baked)}", file=out)
+        print(f"everything is up to date: {', '.join(bake.shown(b) for b in _baked_of(bake.folder.root))}", file=out)
     if as_json:
         print(json.dumps({**report, "up_to_date": not rows, "would_run": [r["step"] for r in rows], "steps": rows}))
     return 1 if rows else 0
@@ -181,7 +181,7 @@ def _bake_detached(bake, report: dict, args, out) -> int:
             return 0
     elif started.how == "done":
         report.update(ran=[], skipped=[r["step"] for r in started.rows], state="done", baked=str(bake.folder.baked))
-        print(f"everything is up to date: {shown(bake.folder.baked)}", file=out)
+        print(f"everything is up to date: {', '.join(shown(b) for b in _baked_of(bake.folder.root))}", file=out)
         return _done(report, args.json, out, bake.folder.root)
     elif args.detach:
         where = shown(bake.folder.root)
@@ -198,6 +198,17 @@ def _bake_detached(bake, report: dict, args, out) -> int:
     return finish(bake.folder.root, report, args.json, out, False)
 
 
+def _baked_of(folder: Path) -> list[Path]:
+    """Where a finished bake's models are: baked/, or each budget's branch (train.budgets)."""
+    from ..folder import BRANCHES
+
+    trunk = RunFolder(folder).baked
+    if trunk.is_dir() or not (folder / BRANCHES).is_dir():
+        return [trunk]
+    budgets = sorted((p for p in (folder / BRANCHES).iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    return [p / "baked" for p in budgets] or [trunk]
+
+
 def finish(folder: Path, report: dict, as_json: bool, out, quiet: bool) -> int:
     """Tell how the last bake of `folder` ended, from its run.json; the exit code."""
     from ..runtime.run import Run
@@ -208,9 +219,12 @@ def finish(folder: Path, report: dict, as_json: bool, out, quiet: bool) -> int:
     state = status["state"]
     report["state"] = state
     if state == "done":
-        report["baked"] = str(RunFolder(Path(folder)).baked)
+        baked = _baked_of(Path(folder))
+        report["baked"] = str(baked[-1])  # the largest budget's, with train.budgets: all of them in "branches"
+        if len(baked) > 1 or baked[0].parent != Path(folder):
+            report["branches"] = [str(b) for b in baked]
         if not quiet:
-            where = shown(RunFolder(Path(folder)).baked)
+            where = ", ".join(shown(b) for b in baked)
             print(f"baked: {where}" if report["ran"] else f"everything is up to date: {where}", file=out)
         return _done(report, as_json, out, folder, quiet)
     reason = status.get("reason") or state

@@ -233,7 +233,8 @@ def save(t: Training, k: int) -> None:
         "phase": phase,
         # a checkpoint before the decay is not annealed: compare such ones with each
         # other, not with the final model
-        "decayed": phase == "decay" or k == cfg["max_steps"],
+        # (a trunk of train.budgets ends without a decay: its last checkpoint is stable)
+        "decayed": phase == "decay" or (k == cfg["max_steps"] and cfg["lr_scheduler_kwargs"]["num_decay_steps"] > 0),
         "loss": t.last["loss"],
         "eval_loss": t.last["eval_loss"],
         "lr": t.scheduler.get_last_lr()[0],
