@@ -184,8 +184,6 @@ def _changes(bake: Bake, name: str) -> list[dict]:
 def _output_changes(bake: Bake, stamp) -> list[dict]:
     """The outputs that no longer match the stamp's manifest, with old and new hash
     (the same test as `stamps.verify`: a matching size and mtime is trusted)."""
-    from pathlib import Path
-
     root = bake.folder.root / stamp.root
     out = []
     for entry in stamp.outputs:

@@ -37,7 +37,8 @@ from ..folder import BRANCHES, CHECKPOINTS, EXAMPLES, META, BranchFolder
 from ..hashing import hash_bytes
 from ..stamps import Stamp, fingerprint
 from ..trainers import checkpoint as ckpt
-from . import NotReady, Outputs, bake as bake_step, merge, train, upstream
+from . import NotReady, Outputs, merge, train, upstream
+from . import bake as bake_step
 
 if TYPE_CHECKING:
     from .context import Bake
