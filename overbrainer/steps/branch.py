@@ -208,8 +208,11 @@ def labels(bake: Bake) -> list[str]:
     if bake.folder.branches.is_dir():
         for p in bake.folder.branches.iterdir():
             m = AT.match(p.name)
-            if m and (p / "branch.json").is_file():
-                made.append((int(m.group(1)), p.name))
+            # one whose trunk checkpoint is gone (moved to the attic by a changed trunk)
+            # stays on disk as it is, out of the graph
+            at = int(m.group(1)) if m else None
+            if m and (p / "branch.json").is_file() and ckpt.step_dir(bake.folder.checkpoints, at).is_dir():
+                made.append((at, p.name))
     return out + [name for _, name in sorted(made)]
 
 

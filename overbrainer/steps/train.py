@@ -164,6 +164,15 @@ def sorted_out(checkpoints: Path, fp: str, inputs: dict) -> tuple[list[Path], li
             reused = path
         else:
             aside.append(path)
+    # a checkpoint a branch decays from (train.budgets' save_at) that is not there, before
+    # kept ones: training goes on from before it, so that it is made (the later ones aside)
+    have = {int(p.name.split("-")[-1]) for p in keep}
+    missing = [s for s in inputs["config"].get("save_at") or () if s not in have and any(h > s for h in have)]
+    if missing:
+        later = [p for p in keep if int(p.name.split("-")[-1]) > min(missing)]
+        keep = [p for p in keep if p not in later]
+        aside = sorted(aside + later, key=lambda p: int(p.name.split("-")[-1]))
+        reused = next((p for p in reversed(keep) if p not in later), None) if reused in later else reused
     return keep, aside, reused
 
 
