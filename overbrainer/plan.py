@@ -197,7 +197,7 @@ class TrainSettings(_Settings):
         warmup = schedule.warmup_of(max(self.budgets) if self.budgets else steps)
         decay = schedule.decay_of(steps)
         if warmup + decay > steps:
-            raise ValueError(f"{field}: {steps} steps is fewer than the warmup ({warmup}) plus the decay ({decay}); "
+            raise ValueError(f"{steps} steps ({field}) are fewer than the warmup ({warmup}) plus the decay ({decay}); "
                              f"make it at least {warmup + decay} or shorten the schedule")
 
     @field_validator("budgets")

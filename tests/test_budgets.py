@@ -155,7 +155,7 @@ def test_decay_refuses_a_checkpoint_in_the_decay(references):
 
 @pytest.mark.parametrize("train, said", [
     ({"budgets": [8, 8]}, "train.budgets: 8 listed more than once; list each budget once"),
-    ({"budgets": [3, 8]}, "train.budgets: 3 steps is fewer than the warmup (2) plus the decay (2); make it at least 4"),
+    ({"budgets": [3, 8]}, "train: 3 steps (train.budgets) are fewer than the warmup (2) plus the decay (2); make it at least 4"),
     ({"budgets": [8], "steps": 8}, "set either budgets or steps/epochs, not both"),
 ])
 def test_bad_budgets_are_one_line_at_the_plan(tmp_path, tiny_model, train, said):
