@@ -170,8 +170,9 @@ def dry_run(bake: Bake) -> list[dict]:
         own = status.fingerprint is not None and not status.up_to_date
         why = status.reason if own or not after else f"after {', '.join(after)}"
         foresee = getattr(module, "foresee", None)
-        if not own and after == ["config"] and foresee is not None:
-            # what it would go on from, once config has rerun (train: the stable phase)
+        if not own and after == ["config"] and foresee is not None and not set(deps["config"]) & will_run:
+            # what it would go on from once config has rerun, config being the only step
+            # before it that reruns (train: the checkpoints of the stable phase)
             note = foresee(bake)
             why = f"{why}; {note}" if note else why
         rows.append({"step": module.NAME, "run": True, "why": why})
