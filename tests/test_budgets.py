@@ -138,7 +138,7 @@ def test_budgets_are_branches_equal_to_fresh_runs(project, tmp_path, references)
 
     # a decay from a chosen stable checkpoint: step 6, 2 steps, is budget 8 again
     bad = cli("decay", str(folder), "--at", "5", check=2).stderr
-    assert bad.strip() == "error: decay --at 5: step 5 of tiny has no checkpoint; the stable checkpoints are: 4, 6, 8, 10"
+    assert bad.strip() == "error: decay --at 5: step 5 of tiny has no checkpoint; the stable checkpoints are: 2, 4, 6, 8, 10"
     out = cli("decay", str(folder), "--at", "6", "--steps", "2").stdout
     assert "baked: " in out and (folder / "branches/at-6/baked/README.md").is_file()
     assert adapter(folder / "branches/at-6/checkpoints/step-000008") == adapter(folder / "branches/8/checkpoints/step-000008")
