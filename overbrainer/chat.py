@@ -103,33 +103,17 @@ class Model:
         """The assistant's next turn. Greedy unless `temperature` > 0."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
+        from .trainers.samples import answer
+
         model, tokenizer = self.load()
-        inputs = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
-        return self._complete(model, tokenizer, inputs, max_new_tokens, temperature)
+        return answer(model, tokenizer, messages, max_new_tokens, temperature)
 
     def generate(self, prompt: str, max_new_tokens: int = 128, temperature: float = 0.0) -> str:
         """A plain continuation of `prompt`, without the chat template."""
+        from .trainers.samples import complete
+
         model, tokenizer = self.load()
-        inputs = tokenizer(prompt, return_tensors="pt")
-        return self._complete(model, tokenizer, inputs, max_new_tokens, temperature)
-
-    @staticmethod
-    def _complete(model, tokenizer, inputs, max_new_tokens: int, temperature: float) -> str:
-        import torch
-
-        sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-        inputs = {k: v.to(model.device) for k, v in inputs.items()}
-        with torch.no_grad():
-            out = model.generate(
-                **inputs,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-                **sampling,
-            )
-        return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+        return complete(model, tokenizer, dict(tokenizer(prompt, return_tensors="pt")), max_new_tokens, temperature)
 
 
 def read_json(path: Path) -> dict:

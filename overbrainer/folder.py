@@ -6,6 +6,8 @@
 ``config.yaml``        the trainer's configuration, in Axolotl's format
 ``run.json``           the run's state and its process
 ``metrics.jsonl``      one line per logged step
+``samples.jsonl``      greedy answers to the sample prompts, one line per sampled step
+                       (``{"step", "samples": [{"prompt", "answer"}]}``; ``train.samples``)
 ``log.txt``            the trainer's own output
 ``checkpoints/``       ``step-NNNNNN/`` folders (see ``trainers/checkpoint.py``)
 ``merged/``            the adapter merged into the base model (HF safetensors)
@@ -54,7 +56,7 @@ __all__ = [
     "BranchFolder", "BRANCHES", "BRANCH_JSON", "PLAN_JSON", "EXAMPLES", "CONFIG", "RUN_JSON", "METRICS", "LOG", "CHECKPOINTS", "MERGED", "BAKED", "ATTIC",
     "STAMPS", "DOIT_DB", "HASH_CACHE", "PLAN_MEMO", "LOCK", "RUN_LOCK", "STOP", "STOPPED", "TRAINER_ERROR",
     "EXPORT", "IMPORTED", "IMPORTED_USED", "AXOLOTL_JOB", "META", "JOB_SH", "SLURM", "LOSS_PLOT", "TENSORBOARD",
-    "MLRUNS", "WANDB",
+    "MLRUNS", "WANDB", "SAMPLES",
 ]
 
 RUNS_ENV = "OVERBRAINER_RUNS"
@@ -85,6 +87,7 @@ LOSS_PLOT = "loss.png"
 TENSORBOARD = "tensorboard"
 MLRUNS = "mlruns"
 WANDB = "wandb"
+SAMPLES = "samples.jsonl"
 
 
 def runs_root(given: str | os.PathLike | None = None) -> Path:
@@ -147,6 +150,7 @@ class RunFolder:
     tensorboard = property(lambda self: self.root / TENSORBOARD)
     mlruns = property(lambda self: self.root / MLRUNS)
     wandb = property(lambda self: self.root / WANDB)
+    samples = property(lambda self: self.root / SAMPLES)
 
     branches = property(lambda self: self.root / BRANCHES)
 

@@ -13,14 +13,14 @@ import difflib
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import PlanError
 from .folder import default_name
 
-__all__ = ["Plan", "DataSource", "SlurmSettings", "SlurmTarget", "SplitSettings", "TrainSettings", "Schedule", "BakeSettings",
+__all__ = ["Plan", "DataSource", "SlurmSettings", "SlurmTarget", "SplitSettings", "TrainSettings", "Schedule", "SampleSettings", "BakeSettings",
            "load_plan"]
 
 # What `bake.formats` may name; overbrainer/formats/ writes them. The gguf-<type> formats are
@@ -100,6 +100,17 @@ class Schedule(_Settings):
         return self.decay_steps if self.decay_steps is not None else round(self.decay * steps)
 
 
+class SampleSettings(_Settings):
+    """Greedy answers to a few prompts while training, in the run folder's samples.jsonl."""
+
+    every: int = Field(default=50, gt=0, description="Steps between samples (also taken at step 0 and the last step).")
+    prompts: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list, max_length=64,
+        description="User messages to answer; empty: the prompts of the first validation conversations (up to 4).",
+    )
+    max_new_tokens: int = Field(default=64, gt=0, le=4096)
+
+
 class TrainSettings(_Settings):
     """How to train."""
 
@@ -165,6 +176,9 @@ class TrainSettings(_Settings):
     schedule: Schedule = Field(default_factory=Schedule)
     save_every: int = Field(default=50, gt=0, description="Steps between checkpoints.")
     eval_every: int = Field(default=50, gt=0, description="Steps between validation losses.")
+    samples: SampleSettings | None = Field(
+        default=None, description="Greedy answers to prompts at every `every` steps, in samples.jsonl and the trackers.",
+    )
     seed: int = 0
     processes: int = Field(
         default=1, ge=1, le=1024,
@@ -425,6 +439,9 @@ def _field_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
         full = f"{prefix}{name}"
         paths.append(full)
         annotation = info.annotation
+        inner = [a for a in get_args(annotation) if a is not type(None)]
+        if len(inner) == 1 and type(None) in get_args(annotation):  # X | None: X's fields
+            annotation = inner[0]
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             paths.extend(_field_paths(annotation, f"{full}."))
     return paths

@@ -16,9 +16,10 @@ import urllib.error
 import urllib.request
 
 import pytest
-from helpers import make_project
-from helpers import REPO, cli, trainers_of
+from helpers import REPO, cli, make_project, trainers_of
 
+from overbrainer import journal
+from overbrainer.folder import RunFolder
 from overbrainer.runtime.run import Run
 
 OUTPUT = REPO / "test-output"
@@ -50,9 +51,11 @@ def server(tmp_path):
     proc.wait(30)
 
 
-def request(url: str, method: str = "GET", headers: dict | None = None) -> int:
+def request(url: str, method: str = "GET", headers: dict | None = None, body: dict | None = None) -> int:
+    data = json.dumps(body).encode() if body is not None else None
     try:
-        return urllib.request.urlopen(urllib.request.Request(url, method=method, headers=headers or {}), timeout=10).status
+        return urllib.request.urlopen(urllib.request.Request(url, data, method=method, headers=headers or {}),
+                                      timeout=10).status
     except urllib.error.HTTPError as e:
         return e.code
 
@@ -67,12 +70,26 @@ def test_paths_stay_in_the_runs_folder_and_actions_need_the_token(server, baked_
                 "%252e%252e%252fsecret", "..%2F..%2F..%2Fetc%2Fpasswd"):
         assert request(f"{url}/api/runs/{bad}") == 404, bad
         assert request(f"{url}/run/{bad}") == 404, bad
+        assert request(f"{url}/api/runs/{bad}/events") == 404, bad
+        assert request(f"{url}/api/runs/{bad}/chat", "POST", {"X-Overbrainer-Token": token}, {}) == 404, bad
+    chat = f"{url}/api/runs/tiny/chat"
+    hello = {"messages": [{"role": "user", "content": "Hello"}], "checkpoint": None}
+    assert request(chat, "POST", {}, hello) == 403
+    assert request(chat, "POST", {"X-Overbrainer-Token": token, "Origin": "http://evil.example"}, hello) == 403
+    assert request(chat, "POST", {"X-Overbrainer-Token": token}, {"messages": "Hello"}) == 400
+    assert request(chat, "POST", {"X-Overbrainer-Token": token}, {**hello, "checkpoint": 5}) == 409  # none at 5
     stop = f"{url}/api/runs/tiny/stop"
     assert request(stop, "POST") == 403
     assert request(stop, "POST", {"X-Overbrainer-Token": "guess"}) == 403
     assert request(stop, "POST", {"X-Overbrainer-Token": token, "Origin": "http://evil.example"}) == 403
     assert request(stop, "POST", {"X-Overbrainer-Token": token, "Sec-Fetch-Site": "cross-site"}) == 403
     assert request(stop, "POST", {"X-Overbrainer-Token": token, "Origin": f"http://127.0.0.1:{port}"}) == 200
+    # the graph as the folder records it: a bake that failed at its last step
+    folder = RunFolder(tmp_path / "runs" / "tiny")
+    folder.stamp("bake").unlink()
+    journal.update(folder, state="failed", task="bake")
+    graph = json.loads(urllib.request.urlopen(f"{url}/api/runs/tiny", timeout=10).read())["graph"]
+    assert "class resolve,base,split,config,train,merge done" in graph and "class bake failed" in graph, graph
     taken = cli("serve", "--runs", str(tmp_path / "runs"), "--port", str(port), check=2)
     assert taken.stderr.strip().splitlines() == [
         f"error: cannot listen on 127.0.0.1:{port} (Address already in use); pick another with --port"]
@@ -91,7 +108,7 @@ def chromium(tmp_path):
     options = webdriver.ChromeOptions()
     options.binary_location = binary
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1200,1000",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1200,1700",
                  f"--user-data-dir={tmp_path / 'chromium-profile'}"):
         options.add_argument(flag)
     try:
@@ -112,12 +129,19 @@ def test_the_page_in_a_real_browser(server, baked_copy, tmp_path, tiny_model):
     baked_copy()  # "tiny": a finished run
     long = make_project(tmp_path / "long-project", tiny_model)
     long.plan["name"] = "long"
-    long.write(steps=20000, save_every=5000, eval_every=10)
+    long.write(steps=20000, save_every=5000, eval_every=10, samples={"every": 1000, "max_new_tokens": 4})
     cli("bake", str(long.plan_path), "--detach", "--runs", str(tmp_path / "runs"))
     running = Run(tmp_path / "runs" / "long")
     until("the long run training", lambda: running.progress()["step"] >= 2, timeout=300)
     url, _, _ = server
     browser = chromium(tmp_path)
+
+    def graph() -> dict:
+        """Each step's node in the page's Mermaid drawing, and its state (a class of the node)."""
+        nodes = browser.execute_script("return [...document.querySelectorAll('#graph g.node')]"
+                                       ".map(g => [g.id, g.getAttribute('class')])")
+        return {re.search(r"flowchart-(\w+)-\d+$", i).group(1): c.split()[-1] for i, c in nodes if "plan" not in i}
+
     try:
         browser.get(url + "/")
         rows = until("both runs listed", lambda: {
@@ -125,7 +149,23 @@ def test_the_page_in_a_real_browser(server, baked_copy, tmp_path, tiny_model):
             for r in browser.find_elements("css selector", "#runs tr[data-run]")} or None)
         assert rows == {"tiny": "done", "long": "running"}, rows
 
+        # the finished run: every step done in its graph, and a chat with its baked model
+        browser.get(f"{url}/run/tiny")
+        assert until("the graph drawn", graph) == dict.fromkeys(
+            ["resolve", "base", "split", "config", "train", "merge", "bake"], "done")
+        until("the models to chat with", lambda: browser.find_elements("css selector", "#chat-model option"))
+        browser.find_element("id", "chat-text").send_keys("Hello")
+        browser.find_element("id", "chat-send").click()
+        said = until("the answer", lambda: browser.find_elements("css selector", "#chat-log .answer"), timeout=180)
+        from overbrainer.chat import Model
+
+        expected = Model.baked(tmp_path / "runs" / "tiny").chat("Hello", max_new_tokens=64)
+        assert said[0].text == (expected or "(an empty answer)")
+
         browser.get(f"{url}/run/long")
+        until("the train step running in the graph", lambda: graph().get("train") == "running")
+        assert graph()["split"] == "done" and graph()["merge"] == "missing"
+        until("step 0's samples", lambda: "step 0" in browser.find_element("id", "samples").text)
         first = until("points on the curve", lambda: browser.execute_script("return window.points"))
         until("the curve gaining points without a reload",
               lambda: browser.execute_script("return window.points") > first, timeout=60)

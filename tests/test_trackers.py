@@ -19,6 +19,7 @@ from overbrainer.errors import PlanError
 from overbrainer.folder import RunFolder
 from overbrainer.plan import load_plan
 from overbrainer.trackers import mlflow_uri
+from overbrainer.trainers.samples import read_samples
 
 SECRET = "wandb-key-that-must-not-be-written-0123456789"
 
@@ -39,7 +40,7 @@ def test_trackers_mirror_a_killed_and_resumed_bake(project, tmp_path, monkeypatc
     monkeypatch.setenv("WANDB_API_KEY", SECRET)
     monkeypatch.setenv("WANDB_SILENT", "true")
     project.plan["report_to"] = ["tensorboard", "mlflow", "wandb"]
-    project.write()
+    project.write(samples={"every": 4, "max_new_tokens": 3})  # samples at steps 0, 4 and 8
     folder = RunFolder(tmp_path / "runs" / "tiny")
 
     # killed at step 5 (its last checkpoint at 3): the resume rewrites 4 and 5
@@ -74,6 +75,10 @@ def test_trackers_mirror_a_killed_and_resumed_bake(project, tmp_path, monkeypatc
     assert [s for s, _ in tb] == list(range(1, 9))
     assert all(abs(v - loss[s]) < 1e-6 for s, v in tb)
     assert "eval_loss" in acc.Tags()["scalars"] and "plan" in str(acc.Tags()["tensors"])
+    texts = {e.step: e.tensor_proto.string_val[0].decode() for e in acc.Tensors("samples/text_summary")}
+    shots = {line["step"]: line["samples"] for line in read_samples(folder.samples)}
+    assert sorted(texts) == sorted(shots) == [0, 4, 8]
+    assert all(s["prompt"].splitlines()[0] in texts[step] for step in shots for s in shots[step])
 
     # MLflow: one run, the same one before and after the kill, with plan, tag and checkpoints
     from mlflow.tracking import MlflowClient
@@ -89,6 +94,8 @@ def test_trackers_mirror_a_killed_and_resumed_bake(project, tmp_path, monkeypatc
     assert all(abs(m.value - loss[m.step]) < 1e-6 for m in history)
     saved = [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")]
     assert saved == ["checkpoints/step-000003", "checkpoints/step-000006", "checkpoints/step-000008"]
+    logged = [a.path for a in client.list_artifacts(run.info.run_id, "samples")]
+    assert logged == ["samples/step-000000.json", "samples/step-000004.json", "samples/step-000008.json"]
 
     # W&B offline: two run files (before and after the kill) of one run id, each step once
     files = sorted(folder.wandb.glob("offline-run-*/run-*.wandb"))
@@ -98,6 +105,8 @@ def test_trackers_mirror_a_killed_and_resumed_bake(project, tmp_path, monkeypatc
     # is lost with it (some or all of steps 1 to 5, by how busy the machine is); after the
     # resume the same run goes on, and no step is written twice
     assert steps == sorted(set(steps)) and set(steps) <= set(range(1, 9)) and steps[-3:] == [6, 7, 8], steps
+    tables = [s for f in files for s, item in wandb_history(f) if item.get("samples/_type") == "table-file"]
+    assert tables == sorted(set(tables)) and set(tables) <= {0, 4, 8} and tables[-1] == 8, tables
 
     # the key came from the environment and went nowhere
     for path in [*tmp_path.rglob("*")]:

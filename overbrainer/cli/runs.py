@@ -1,5 +1,5 @@
 """The commands on runs: ``status``, ``runs``, ``stop``, ``resume``, ``wait``, ``metrics``, ``log``,
-``checkpoints``, ``examples``, ``import``."""
+``checkpoints``, ``samples``, ``examples``, ``import``."""
 
 from __future__ import annotations
 
@@ -53,6 +53,12 @@ def add_parsers(sub) -> None:
     p.add_argument("run")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_checkpoints)
+
+    p = sub.add_parser("samples", help="a run's sample answers (train.samples), each prompt's side by side across steps")
+    p.add_argument("run")
+    p.add_argument("--full", action="store_true", help="whole answers, not one line each")
+    p.add_argument("--json", action="store_true", help='[{"prompt", "answers": [{"step", "answer"}]}]')
+    p.set_defaults(func=cmd_samples)
 
     p = sub.add_parser("examples", help="a few rows of a run's examples.parquet (after `overbrainer split PLAN`)")
     p.add_argument("run")
@@ -180,6 +186,38 @@ def _cell(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}" if abs(value) < 1e-2 and value else f"{value:.4f}".rstrip("0").rstrip(".")
     return str(value)
+
+
+def cmd_samples(args) -> int:
+    import shutil
+    import textwrap
+
+    from ..trainers.samples import by_prompt, read_samples
+
+    run = find_run(args.run, args.runs)
+    prompts = by_prompt(read_samples(run.folder.samples))
+    if args.json:
+        print(json.dumps(prompts, indent=1))
+        return 0
+    if not prompts:
+        print(f"{shown(run.folder.root)}: no samples yet (train.samples in the plan takes them while it trains)",
+              file=sys.stderr)
+        return 0
+    width = shutil.get_terminal_size((100, 24)).columns
+    for i, p in enumerate(prompts):
+        print(("\n" if i else "") + "prompt: " + p["prompt"].replace("\n", " ⏎ "))
+        w = max(len(str(a["step"])) for a in p["answers"])
+        head = 2 + len("step ") + w + 2
+        for a in p["answers"]:
+            label = f"  step {a['step']:>{w}}  "
+            if args.full:
+                text = textwrap.fill(a["answer"], max(width - head, 20), subsequent_indent=" " * head) or "(nothing)"
+            else:
+                text = a["answer"].replace("\n", " ⏎ ") or "(nothing)"
+                if len(text) > max(width - head, 20):
+                    text = text[:max(width - head, 20) - 1] + "…"
+            print(label + text)
+    return 0
 
 
 def cmd_log(args) -> int:

@@ -9,6 +9,10 @@ the answer)::
     running  the run is under way (run.json) and this is the step in progress
     missing  no stamp: it never ran, was cleaned, or was interrupted
 
+`recorded` tells the same from the run folder alone (its stamps and run.json, no plan, no
+dry run: what ``serve`` shows of any run folder), where a stamp is taken as done and the
+step the run ended on is ``failed`` or ``stopped``.
+
 `render` draws the graph as text, Mermaid (GitHub renders it) or Graphviz dot: the steps
 with the files they write, or (``outs``) the files alone, an edge from every file of a step
 to every file of the steps after it, like ``dvc dag --outs``. `why` says, for each step
@@ -31,11 +35,12 @@ from ..stamps import input_changes, read_stamp, short
 from .tasks import downstream, graph_of
 
 if TYPE_CHECKING:
+    from ..folder import RunFolder
     from ..steps.context import Bake
 
-__all__ = ["StepState", "STATUSES", "FORMATS", "steps", "survey", "why", "why_text", "render", "as_json"]
+__all__ = ["StepState", "STATUSES", "FORMATS", "steps", "survey", "recorded", "why", "why_text", "render", "as_json"]
 
-STATUSES = ("done", "stale", "running", "missing")
+STATUSES = ("done", "stale", "running", "missing", "failed", "stopped")
 FORMATS = ("text", "mermaid", "dot")
 
 # fill and stroke of each status, in Mermaid and dot alike
@@ -44,8 +49,10 @@ _COLOURS = {
     "stale": ("#fff3bf", "#e67700"),
     "running": ("#d0ebff", "#1c7ed6"),
     "missing": ("#f1f3f5", "#868e96"),
+    "failed": ("#ffe3e3", "#c92a2a"),
+    "stopped": ("#f3d9fa", "#862e9c"),
 }
-_ANSI = {"done": "32", "stale": "33", "running": "34", "missing": "90"}
+_ANSI = {"done": "32", "stale": "33", "running": "34", "missing": "90", "failed": "31", "stopped": "35"}
 
 
 @dataclass
@@ -71,7 +78,7 @@ def survey(bake: Bake) -> list[StepState]:
     from .driver import dry_run
 
     rows = {row["step"]: row for row in dry_run(bake)}
-    current = _in_progress(bake)
+    current = _in_progress(bake.folder, bake)
     out = []
     for state in steps(bake):
         row = rows[state.step]
@@ -88,22 +95,49 @@ def survey(bake: Bake) -> list[StepState]:
     return out
 
 
-def _in_progress(bake: Bake) -> str | None:
+def recorded(folder: RunFolder) -> list[StepState]:
+    """Each step's status as the run folder records it: done (a stamp), running (the live
+    bake's step), failed or stopped (the step the last bake ended on), else missing."""
+    from .. import journal
+
+    current = _in_progress(folder)
+    status = journal.status(folder) if folder.run_json.exists() else {}
+    state = status.get("state")
+    ended = _first_unstamped(folder, status.get("task")) if state in ("failed", "stopped") else None
+    out = []
+    for s in steps():
+        if s.step == current:
+            s.status, s.why = "running", "running now"
+        elif s.step == ended:
+            s.status, s.why = state, f"{state} here"
+        elif read_stamp(folder.stamp(s.step)) is not None:
+            s.status, s.why = "done", "done"
+        else:
+            s.status, s.why = "missing", "not done yet"
+        out.append(s)
+    return out
+
+
+def _in_progress(folder: RunFolder, bake: Bake | None = None) -> str | None:
     """The step a live bake of this folder is doing now, if one is under way."""
-    if not bake.folder.run_json.exists():
+    if not folder.run_json.exists():
         return None
     from .. import journal
 
-    status = journal.status(bake.folder)  # a process that died is not shown as running
+    status = journal.status(folder)  # a process that died is not shown as running
     if status.get("state") not in journal.ACTIVE:
         return None
-    graph, deps = graph_of(bake)
-    if status.get("task") in deps:
-        return status["task"]
+    return _first_unstamped(folder, status.get("task"), bake)
+
+
+def _first_unstamped(folder: RunFolder, task: str | None, bake: Bake | None = None) -> str | None:
+    graph, deps = graph_of(bake)  # without a bake (the serve page's record): the single-budget graph
+    if task in deps:
+        return task
     # a run.json from before it named its step: steps run in order, each deleting its
     # stamp when it starts, so the first one without a stamp is the one under way
     for module in graph:
-        if read_stamp(bake.folder.stamp(module.NAME)) is None:
+        if read_stamp(folder.stamp(module.NAME)) is None:
             return module.NAME
     return None
 

@@ -8,14 +8,27 @@ included)::
 
     GET  /                          the runs: state, progress, loss, settings; tick several to
                                     overlay their loss and validation curves
-    GET  /run/{name}                one run: live loss / eval loss / lr curves (polled each
-                                    second, phases shaded), checkpoints, log tail, stop/resume
+    GET  /run/{name}                one run: its graph coloured by each step's state (Mermaid),
+                                    live loss / eval loss / lr curves with the schedule's phases
+                                    shaded, the samples, a chat box, checkpoints, log tail,
+                                    stop/resume; kept up to date by the events below, no reload
     GET  /api/runs                  [{"name", "state", "step", "steps", "loss", "eval_loss", "settings"}]
-    GET  /api/runs/{name}           {"status", "progress", "checkpoints": [{"step", "phase", "decayed"}], "log"}
+    GET  /api/runs/{name}           {"status", "progress", "checkpoints": [{"step", "phase", "decayed"}],
+                                     "baked", "log", "graph" (Mermaid), "samples" (by prompt)}
     GET  /api/runs/{name}/metrics   {"lines": [metrics.jsonl lines with a step]}
+    GET  /api/runs/{name}/events    server-sent events: "metrics" {"from", "lines"} (from 0: the
+                                    whole file again, after a resume cut it), "info" (the run's
+                                    JSON above) when it changed; each stream ends after 5 minutes
+                                    and the browser's EventSource opens the next
     POST /api/runs/{name}/stop      ask it to stop        } need the header X-Overbrainer-Token
-    POST /api/runs/{name}/resume    resume it             } (this start's token) and no other Origin
-    GET  /static/{file}             the vendored uPlot (MIT; see static/uPlot.LICENSE)
+    POST /api/runs/{name}/resume    resume it             } (this start's token) and no other
+    POST /api/runs/{name}/chat      {"messages", "checkpoint": step or null (the baked model),
+                                     "max_new_tokens"} -> {"answer"}      } Origin
+    GET  /static/{file}             the vendored uPlot 1.6 (MIT; static/uPlot.LICENSE) and
+                                    Mermaid 11.17.2 (MIT; static/mermaid.LICENSE)
+
+Chat loads the model in this process (``chat.Model``, torch imported then), keeps the last
+two loaded, and answers one question at a time.
 
 The token is made at each start and written into the pages this server serves; a page of
 another origin can neither read it nor pass the Origin check.
@@ -23,28 +36,37 @@ another origin can neither read it nor pass the Origin check.
 
 from __future__ import annotations
 
+import asyncio
 import html
 import json
 import re
 import secrets
 import socket
 import sys
+import threading
+import time
+from collections import OrderedDict
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from ..errors import OverbrainerError
 from ..folder import RunFolder
+from ..graph import explain
 from ..runtime.run import Run, runs
 
 __all__ = ["app", "serve", "PortTaken"]
 
 STATIC = Path(__file__).parent / "static"
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+STREAM_SECONDS = 300  # one events stream; EventSource reconnects by itself
+ROLES = ("system", "user", "assistant")
+MAX_NEW_TOKENS = 1024
 
 
 class PortTaken(OverbrainerError):
@@ -92,18 +114,56 @@ def app(root: Path, token: str) -> Starlette:
     async def list_runs(request: Request) -> JSONResponse:
         return JSONResponse([summary(r) for r in runs(root)])
 
-    async def one_run(request: Request) -> Response:
-        run = run_of(request)
-        if run is None:
-            return JSONResponse({"error": "no such run"}, 404)
+    def info(run: Run) -> dict:
         from ..trainers import checkpoint as ckpt
+        from ..trainers.samples import by_prompt, read_samples
 
         points = []
         for step, path in ckpt.complete(run.folder.checkpoints):
             meta = ckpt.read_meta(path)
             points.append({"step": step, "phase": meta.get("phase"), "decayed": meta.get("decayed")})
-        return JSONResponse({"status": run.status, "progress": run.progress(), "checkpoints": points,
-                             "log": run.log(30)})
+        graph = explain.render(explain.recorded(run.folder), "mermaid", plan="plan.json")
+        return {"status": run.status, "progress": run.progress(), "checkpoints": points,
+                "baked": (run.folder.baked / "config.json").is_file(), "log": run.log(30), "graph": graph,
+                "samples": by_prompt(read_samples(run.folder.samples))}
+
+    async def one_run(request: Request) -> Response:
+        run = run_of(request)
+        if run is None:
+            return JSONResponse({"error": "no such run"}, 404)
+        return JSONResponse(await run_in_threadpool(info, run))
+
+    async def events(request: Request) -> Response:
+        run = run_of(request)
+        if run is None:
+            return JSONResponse({"error": "no such run"}, 404)
+
+        def lines() -> list[dict]:
+            return [r for r in run.records() if "step" in r]
+
+        async def stream():
+            sent, said, seen = 0, None, None
+            began = time.monotonic()
+            while time.monotonic() - began < STREAM_SECONDS:
+                try:
+                    st = run.folder.metrics.stat()
+                    now = (st.st_size, st.st_mtime_ns)
+                except OSError:
+                    now = None
+                if now != seen:  # metrics.jsonl changed: what is new, or all of it after a cut
+                    seen, got = now, await run_in_threadpool(lines)
+                    start = sent if len(got) >= sent else 0
+                    if got[start:] or start < sent:
+                        yield _event("metrics", {"from": start, "lines": got[start:]})
+                    sent = len(got)
+                text = json.dumps(await run_in_threadpool(info, run))
+                if text != said:
+                    said = text
+                    yield f"event: info\ndata: {text}\n\n"
+                await asyncio.sleep(1)
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
     async def metrics(request: Request) -> Response:
         run = run_of(request)
@@ -128,6 +188,52 @@ def app(root: Path, token: str) -> Starlette:
             return JSONResponse({"error": str(e)}, 409)
         return JSONResponse({"state": state})
 
+    models: OrderedDict = OrderedDict()  # (run, step) -> chat.Model, the last two used
+    one_at_a_time = threading.Lock()
+
+    def answer(run: Run, step: int | None, messages: list[dict], max_new_tokens: int) -> dict:
+        from ..chat import Model
+
+        with one_at_a_time:
+            key = (run.name, step)
+            model = models.pop(key, None)
+            if model is None:
+                model = Model.checkpoint(run.folder.root, step) if step is not None else Model.baked(run.folder.root)
+            models[key] = model
+            while len(models) > 2:
+                models.popitem(last=False)
+            said = model.chat(messages, max_new_tokens=max_new_tokens)
+        note = "" if model.decayed else f"step {step} is from before the decay: not annealed, not the final model"
+        return {"answer": said, "note": note}
+
+    async def chat(request: Request) -> Response:
+        why = allowed(request)
+        if why:
+            return JSONResponse({"error": why}, 403)
+        run = run_of(request)
+        if run is None:
+            return JSONResponse({"error": "no such run"}, 404)
+        try:
+            body = await request.json()
+            messages = body["messages"]
+            step = body.get("checkpoint")
+            max_new_tokens = int(body.get("max_new_tokens", 128))
+            ok = (isinstance(messages, list) and messages and messages[-1].get("role") == "user"
+                  and all(isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+                          for m in messages)
+                  and (step is None or (isinstance(step, int) and not isinstance(step, bool)))
+                  and 0 < max_new_tokens <= MAX_NEW_TOKENS)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            ok = False
+        if not ok:
+            return JSONResponse({"error": 'send {"messages": [{"role": "user", "content": "..."}], "checkpoint": '
+                                          f'STEP or null, "max_new_tokens": 1 to {MAX_NEW_TOKENS}}}, the last message '
+                                          "the user's"}, 400)
+        try:
+            return JSONResponse(await run_in_threadpool(answer, run, step, messages, max_new_tokens))
+        except OverbrainerError as e:
+            return JSONResponse({"error": str(e)}, 409)
+
     async def index(request: Request) -> HTMLResponse:
         return HTMLResponse(_page("runs", "", token))
 
@@ -143,6 +249,8 @@ def app(root: Path, token: str) -> Starlette:
         Route("/api/runs", list_runs),
         Route("/api/runs/{name}", one_run),
         Route("/api/runs/{name}/metrics", metrics),
+        Route("/api/runs/{name}/events", events),
+        Route("/api/runs/{name}/chat", chat, methods=["POST"]),
         Route("/api/runs/{name}/stop", action, methods=["POST"], name="stop"),
         Route("/api/runs/{name}/resume", action, methods=["POST"], name="resume"),
         Mount("/static", StaticFiles(directory=STATIC)),
@@ -171,8 +279,13 @@ def serve(root: Path, host: str = "127.0.0.1", port: int = 8765) -> None:
               "(actions still need the page's token)", file=sys.stderr)
     shown = f"[{host}]" if ":" in host else host
     print(f"serving {root} on http://{shown}:{sock.getsockname()[1]}/  (ctrl-c ends it)", flush=True)
-    config = uvicorn.Config(app(root, token), log_level="warning", lifespan="off")
+    # open event streams are cut at once on ctrl-c (EventSource reconnects to the next start)
+    config = uvicorn.Config(app(root, token), log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
     uvicorn.Server(config).run(sockets=[sock])
+
+
+def _event(kind: str, data: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
 
 def _page(title: str, run: str, token: str) -> str:

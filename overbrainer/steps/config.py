@@ -297,10 +297,46 @@ def _template_keeps_thinking(base_folder: Path) -> bool:
         return True
 
 
+SAMPLE_PROMPTS = 4  # validation conversations whose prompts are sampled when the plan names none
+
+
+def sample_settings(train: TrainSettings, examples: Path) -> dict | None:
+    """config.yaml's ``samples`` (``trainers/samples.py``): the plan's prompts as conversations,
+    else the first validation conversations up to their first assistant turn."""
+    samples = train.samples
+    if samples is None:
+        return None
+    if train.trainer != "builtin":
+        raise OverbrainerError(
+            f"config: train.samples is taken by the built-in trainer only, not by {train.trainer}; "
+            'remove train.samples or set train.trainer to "builtin"'
+        )
+    prompts = [[{"role": "user", "content": p}] for p in samples.prompts]
+    if not prompts:
+        import pyarrow.parquet as pq
+
+        for batch in pq.ParquetFile(examples).iter_batches(columns=["split", "messages"]):
+            for row in batch.to_pylist():
+                turns = row["messages"]
+                first = next((i for i, m in enumerate(turns) if m["role"] == "assistant"), None)
+                if row["split"] == "validation" and first:
+                    prompts.append([{"role": m["role"], "content": m["content"]} for m in turns[:first]])
+            if len(prompts) >= SAMPLE_PROMPTS:
+                break
+        prompts = prompts[:SAMPLE_PROMPTS]
+        if not prompts:
+            raise OverbrainerError(
+                "config: train.samples has no prompts and there are no validation conversations to take them "
+                'from; give train.samples.prompts (["..."]) or set split.validation above 0'
+            )
+    return {"every": samples.every, "max_new_tokens": samples.max_new_tokens, "prompts": prompts}
+
+
 def run(bake: Bake, inputs: dict) -> Outputs:
     from ..formats import check_formats
 
     train = bake.plan.train
+    samples = sample_settings(train, bake.folder.examples)  # a refusal before any slower check
     # what bake.formats asks must be possible for this model before anything trains
     # (the train step asks again: the formats may change while config stays done)
     check_formats(list(bake.plan.bake.formats), json.loads((Path(inputs["base_folder"]) / "config.json").read_text()),
@@ -326,6 +362,8 @@ def run(bake: Bake, inputs: dict) -> Outputs:
                                          "gradient_accumulation_steps": memory.gradient_accumulation_steps})
     cfg = build_config(train, base_folder, steps, tokens, bake.plan.trust_remote_code,
                        template.text if template else None)
+    if samples:
+        cfg["samples"] = samples
     header = f"# written by overbrainer from {bake.shown(bake.plan_path)}; edits are overwritten\n"
     import yaml
 

@@ -1,7 +1,7 @@
 """Train: run the trainer in its own process, from the last checkpoint of this fingerprint.
 
 While it trains, this process follows ``metrics.jsonl``: each new line is shown, mirrored to
-the trackers the plan reports to (``trackers/``), and at each new checkpoint the run folder's
+the trackers the plan reports to (``trackers/``) with the samples of ``samples.jsonl``, and at each new checkpoint the run folder's
 ``loss.png`` is drawn again, so a long run has a picture while it runs.
 
 Checkpoints made under another fingerprint (an older learning rate, other data) are moved
@@ -25,6 +25,7 @@ from ..errors import OverbrainerError, RunFailed, RunStopped
 from ..folder import CHECKPOINTS, LOG, METRICS, RunFolder
 from ..stamps import fingerprint, outputs_digest
 from ..trainers import checkpoint as ckpt
+from ..trainers.samples import read_samples
 from . import NotReady, Outputs, upstream
 
 if TYPE_CHECKING:
@@ -38,6 +39,9 @@ VERSION = 1
 # The math is the same; the bits are the same only on the same device and build.
 HOW_IT_COMPUTES = ("device", "deterministic", "torch_compile", "gradient_checkpointing", "liger_rope",
                    "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy")
+# config.yaml keys that say what is looked at while it trains, not what it trains: greedy
+# samples (taken with the RNG state put back) change no weight; a finished run stays done
+WATCHING = ("samples",)
 
 TARGETS = [f"{CHECKPOINTS}/", METRICS, LOG]
 # config.yaml keys that say where a run ends and where its decay begins, not how its weights
@@ -59,7 +63,7 @@ def inputs(bake: Bake) -> dict:
             cfg = yaml.safe_load(bake.folder.config.read_text())
         except (OSError, yaml.YAMLError):
             raise NotReady("config") from None
-    cfg = {k: v for k, v in cfg.items() if k not in HOW_IT_COMPUTES}
+    cfg = {k: v for k, v in cfg.items() if k not in HOW_IT_COMPUTES + WATCHING}
     # the run is what the config says, with the base model known by its content rather
     # than by where the cache put it: a cache moved elsewhere retrains nothing
     cfg["base_model"] = outputs_digest(base)
@@ -280,7 +284,7 @@ class Follower:
 
             self.mirror = Mirror(list(bake.plan.report_to), folder, fp, bake.plan.model_dump(mode="json"), bake.say)
             if self.seen:  # lines a bake that died wrote before it could mirror them
-                self.mirror.lines(_read_lines(folder.metrics, 0)[0])
+                self.mirror.lines(_read_lines(folder.metrics, 0)[0], read_samples(folder.samples))
 
     def poll(self) -> None:
         trunk_stop = getattr(self.bake.folder, "trunk_stop", None)
@@ -289,13 +293,19 @@ class Follower:
         lines, self.seen = _read_lines(self.bake.folder.metrics, self.seen)
         for m in lines:
             _show(self.bake, m, self.max_steps)
-        if self.mirror and lines:
-            self.mirror.lines(lines)
+        if self.mirror:
+            # read after the metrics: the trainer writes a step's samples before its line
+            samples = read_samples(self.bake.folder.samples) if self.bake.folder.samples.exists() else []
+            if lines or samples:
+                self.mirror.lines(lines, samples)
         done = ckpt.complete(self.bake.folder.checkpoints)
         new = [p for _, p in done if p.name not in self.checkpoints]
         if new:
             self.checkpoints.update(p.name for p in new)
-            draw_loss(self.bake.folder)
+            try:
+                draw_loss(self.bake.folder)
+            except OSError as e:  # a picture: a full disk must not end the run the trainer saves
+                self.bake.say(f"warning: loss.png not drawn ({e.strerror or e}); training goes on")
             for path in new:
                 if self.mirror:
                     self.mirror.checkpoint(path)

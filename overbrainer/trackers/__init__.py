@@ -13,6 +13,8 @@ What each tracker is given::
     the train step's fingerprint         TensorBoard: text "fingerprint"; MLflow: tag
                                          ``overbrainer.fingerprint``; W&B: a tag
     checkpoints (weights + meta.json)    MLflow and W&B artifacts (TensorBoard has none)
+    samples.jsonl's greedy answers       TensorBoard: text "samples"; MLflow: an artifact
+                                         ``samples/step-NNNNNN.json``; W&B: a table "samples"
 
 Where they write: TensorBoard under the run folder's ``tensorboard/``; MLflow to
 ``$MLFLOW_TRACKING_URI``, else a SQLite store in the run folder's ``mlruns/``; W&B wherever
@@ -22,10 +24,10 @@ tracker's own package; nothing here writes them anywhere.
 
 run.json keeps, under ``"trackers"``, what continues the same tracker runs on a resume::
 
-    {"fingerprint": "<train fingerprint>", "step": 12,
+    {"fingerprint": "<train fingerprint>", "step": 12, "samples": 10,
      "mlflow": {"run_id": "..."}, "wandb": {"run_id": "..."}}
 
-``step`` is the last step mirrored: a resumed trainer rewrites the lines after its checkpoint
+``step`` is the last step mirrored (``samples``: the last step whose samples were): a resumed trainer rewrites the lines after its checkpoint
 (``truncate_metrics``) with the same values (resume is exact), and those are not logged
 twice. A new fingerprint (another learning rate) starts new tracker runs.
 
@@ -91,14 +93,33 @@ class Mirror:
             self.state[name] = tracker.ids()
         self._save()
 
-    def lines(self, lines: list[dict]) -> None:
-        """Log these metrics lines (stage events and steps already mirrored are left out)."""
+    def lines(self, lines: list[dict], samples: list[dict] = ()) -> None:
+        """Log these metrics lines and samples.jsonl lines (stage events and steps already
+        mirrored are left out; samples of a step not logged yet wait for it), in step order,
+        a step's metrics before its samples: W&B takes steps only in increasing order."""
         new = [m for m in lines if isinstance(m.get("step"), int) and m["step"] > self.state["step"]]
-        if not new:
+        upto = new[-1]["step"] if new else self.state["step"]
+        shots = [s for s in samples if self.state.get("samples", -1) < s["step"] <= upto]
+        if not new and not shots:
             return
+        events = sorted([(m["step"], 0, m) for m in new] + [(s["step"], 1, s) for s in shots],
+                        key=lambda e: e[:2])
         for name, tracker in list(self.trackers.items()):
-            self._call(name, tracker.log, new)
-        self.state["step"] = new[-1]["step"]
+            run: list[dict] = []
+            for _, kind, line in events:
+                if kind == 0:
+                    run.append(line)
+                    continue
+                if run:
+                    self._call(name, tracker.log, run)
+                    run = []
+                if name in self.trackers:
+                    self._call(name, tracker.samples, line["step"], line["samples"])
+            if run and name in self.trackers:
+                self._call(name, tracker.log, run)
+        self.state["step"] = upto
+        if shots:
+            self.state["samples"] = shots[-1]["step"]
         self._save()
 
     def checkpoint(self, path: Path) -> None:
@@ -132,6 +153,13 @@ def _scalars(line: dict) -> dict[str, float]:
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
+def _samples_markdown(rows: list[dict]) -> str:
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    return "| prompt | answer |\n|---|---|\n" + "".join(f"| {cell(r['prompt'])} | {cell(r['answer'])} |\n" for r in rows)
+
+
 def _files(path: Path) -> list[Path]:
     return [path / n for n in WEIGHTS if (path / n).is_file()]
 
@@ -157,6 +185,10 @@ class TensorBoard:
         for m in lines:
             for key, value in _scalars(m).items():
                 self.writer.add_scalar(key, value, m["step"])
+        self.writer.flush()
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        self.writer.add_text("samples", _samples_markdown(rows), step)
         self.writer.flush()
 
     def checkpoint(self, path: Path) -> None:
@@ -214,6 +246,9 @@ class MLflow:
         for i in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
+    def samples(self, step: int, rows: list[dict]) -> None:
+        self.client.log_dict(self.run_id, {"step": step, "samples": rows}, f"samples/step-{step:06d}.json")
+
     def checkpoint(self, path: Path) -> None:
         for f in _files(path):
             self.client.log_artifact(self.run_id, str(f), f"checkpoints/{path.name}")
@@ -243,6 +278,11 @@ class WandB:
     def log(self, lines: list[dict]) -> None:
         for m in lines:
             self.run.log(_scalars(m), step=m["step"])
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        table = self.wandb.Table(columns=["step", "prompt", "answer"],
+                                 data=[[step, r["prompt"], r["answer"]] for r in rows])
+        self.run.log({"samples": table}, step=step)
 
     def checkpoint(self, path: Path) -> None:
         art = self.wandb.Artifact(f"{self.run.id}-{path.name}", type="model", metadata={"checkpoint": path.name})

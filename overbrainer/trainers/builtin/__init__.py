@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...folder import CHECKPOINTS, CONFIG, EXAMPLES, LOG, METRICS, STOPPED, TRAINER_ERROR
+from ...folder import CHECKPOINTS, CONFIG, EXAMPLES, LOG, METRICS, SAMPLES, STOPPED, TRAINER_ERROR
 from ..protocol import STAGE_TRAIN, Artifacts, NoTrainingData
 
 
@@ -60,7 +60,7 @@ class Builtin:
         return METRICS
 
     def artifacts(self) -> Artifacts:
-        return Artifacts(entries=[CHECKPOINTS, METRICS, LOG, STOPPED, TRAINER_ERROR], exclude=[".tmp-*"],
+        return Artifacts(entries=[CHECKPOINTS, METRICS, SAMPLES, LOG, STOPPED, TRAINER_ERROR], exclude=[".tmp-*"],
                          required=CHECKPOINTS)
 
     def stop_marker(self) -> str | None:

@@ -28,6 +28,7 @@ from ...portable.common import die_with_parent, phase_of, truncate_metrics
 from .. import checkpoint as ckpt
 from ..dist import World
 from ..examples import Example, Order, collate, load_examples, micro_batches
+from ..samples import answer, is_sample_step, prompt_text
 from . import device as hw
 from .model import Decoder, TokenLoss, load_model, load_weights
 
@@ -75,6 +76,7 @@ class Training:
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     scheduler: object
+    tokenizer: object = None
     step: int = 0
     tokens: int = 0
     seconds: float = 0.0
@@ -130,7 +132,7 @@ def setup(cfg: dict, run_dir: Path) -> Training:
         cfg=cfg, run_dir=run_dir, world=world, device=device, bf16=bf16, model=model,
         decoder=world.wrap(Decoder(model), device), loss=TokenLoss(fused=fused_loss, mask=device.type != "cuda"),
         train_set=train_set, val_set=val_set, order=Order(len(train_set), mbs * gas, cfg["seed"], lengths),
-        pad_id=pad_id, params=params, optimizer=optimizer, scheduler=scheduler,
+        pad_id=pad_id, params=params, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
     )
     resume(t)
     return t
@@ -213,6 +215,27 @@ def evaluate(t: Training) -> float | None:
     return t.world.sum(total.item()) / max(t.world.sum(count), 1)
 
 
+def take_samples(t: Training, path: Path) -> float:
+    """Append the greedy answers of the weights as they are to samples.jsonl (rank 0; the
+    others go on to the next step's all-reduce and wait there); the seconds it took.
+
+    The RNG state is put back afterwards, so a run that samples trains the same weights as
+    one that does not, and a resume takes the same samples again."""
+    if not t.world.main:
+        return 0.0
+    settings, began = t.cfg["samples"], time.monotonic()
+    t.model.eval()
+    with torch.random.fork_rng(devices=[t.device] if t.device.type == "cuda" else []):
+        with hw.compute(t.bf16, t.device):
+            rows = [{"prompt": prompt_text(messages),
+                     "answer": answer(t.model, t.tokenizer, messages, settings["max_new_tokens"])}
+                    for messages in settings["prompts"]]
+    t.model.train()
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": t.step, "samples": rows}) + "\n")
+    return time.monotonic() - began
+
+
 def save(t: Training, k: int) -> None:
     """Checkpoint step `k`: every rank's RNG goes in, then rank 0 writes the rest and
     renames the folder into place (checkpoint.py: never half there)."""
@@ -292,8 +315,11 @@ def train(config_path: Path) -> int:
     save_every, eval_every = cfg["save_steps"], cfg["eval_steps"]
     save_at = set(cfg.get("save_at") or ())  # where budgets branch off (train.budgets)
     warmup, stable = cfg["warmup_steps"], cfg["lr_scheduler_kwargs"]["num_stable_steps"]
+    samples = cfg.get("samples")
     if world.main:
         truncate_metrics(metrics_path, t.step)
+        # the samples past the checkpoint are taken again (from scratch: step 0's too)
+        truncate_metrics(folder.samples, t.step if t.step else -1)
         stopped_marker.unlink(missing_ok=True)
     t.say(
         f"training {sum(p.numel() for p in t.params):,} parameters on {len(t.train_set)} conversations "
@@ -306,6 +332,8 @@ def train(config_path: Path) -> int:
     t.model.train()
     hw.reset_peak(t.device)
     started = time.monotonic() - t.seconds
+    if samples and t.step == 0:
+        started += take_samples(t, folder.samples)  # what the base answers, to compare with
     while t.step < max_steps:
         # a stop asked by `overbrainer stop`: save where we are, say so, end
         if world.agree(stop_request.exists()):
@@ -351,6 +379,11 @@ def train(config_path: Path) -> int:
             # the most GPU memory held so far (as Axolotl logs it): what sizing is held to
             line["memory"] = hw.peak_memory(t.device)
         t.last["loss"] = line["loss"]
+
+        # samples, before the step's metrics line: the bake, which follows that file, finds a
+        # step's samples there once it reads the step (their time is not training time)
+        if samples and is_sample_step(t.step, samples["every"], max_steps):
+            started += take_samples(t, folder.samples)
 
         # log: one metrics line a step (the bake follows the file), and the console
         if world.main:
