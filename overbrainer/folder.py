@@ -13,6 +13,11 @@
 ``merged/``            the adapter merged into the base model (HF safetensors)
 ``baked/``             the model people use, with its model card
 ``attic/``             outputs of an older fingerprint, moved aside instead of deleted
+``branches/``          decay branches: ``<budget>/`` per train.budgets, ``at-<step>/`` per
+                       ``overbrainer decay --at``; each a run folder of its own (config.yaml,
+                       examples.parquet hard-linked, checkpoints/, metrics.jsonl, log.txt,
+                       merged/, baked/, and ``branch.json``: what it decays from), whose
+                       stamps are the trunk's ``.stamps/decay@<label>.json`` and so on
 ``.stamps/``           one stamp per finished step (``stamps.py``)
 ``.doit.db``           doit's own state (sqlite3); losing it costs a few stats
 ``.hashes.json``       the content-hash cache
@@ -48,7 +53,7 @@ from .portable.common import LOG, META, METRICS, STOP, STOPPED, TRAINER_ERROR
 
 __all__ = [
     "RunFolder", "runs_root", "cache_root", "default_name", "RUNS_ENV",
-    "PLAN_JSON", "EXAMPLES", "CONFIG", "RUN_JSON", "METRICS", "LOG", "CHECKPOINTS", "MERGED", "BAKED", "ATTIC",
+    "BranchFolder", "BRANCHES", "BRANCH_JSON", "PLAN_JSON", "EXAMPLES", "CONFIG", "RUN_JSON", "METRICS", "LOG", "CHECKPOINTS", "MERGED", "BAKED", "ATTIC",
     "STAMPS", "DOIT_DB", "HASH_CACHE", "PLAN_MEMO", "LOCK", "RUN_LOCK", "STOP", "STOPPED", "TRAINER_ERROR",
     "EXPORT", "IMPORTED", "IMPORTED_USED", "AXOLOTL_JOB", "META", "JOB_SH", "SLURM", "LOSS_PLOT", "TENSORBOARD",
     "MLRUNS", "WANDB", "SAMPLES",
@@ -66,6 +71,8 @@ CHECKPOINTS = "checkpoints"
 MERGED = "merged"
 BAKED = "baked"
 ATTIC = "attic"
+BRANCHES = "branches"
+BRANCH_JSON = "branch.json"
 STAMPS = ".stamps"
 DOIT_DB = ".doit.db"
 HASH_CACHE = ".hashes.json"
@@ -147,5 +154,32 @@ class RunFolder:
     wandb = property(lambda self: self.root / WANDB)
     samples = property(lambda self: self.root / SAMPLES)
 
+    branches = property(lambda self: self.root / BRANCHES)
+
     def stamp(self, step: str) -> Path:
         return self.stamps / f"{step}.json"
+
+    def branch(self, label: str) -> BranchFolder:
+        return BranchFolder(self.branches / label, self.root, label)
+
+
+# a branch's own steps, by the name the step modules read their upstream stamps by
+_BRANCH_OWN = {"train": "decay", "merge": "merge", "bake": "bake"}
+
+
+@dataclass(frozen=True)
+class BranchFolder(RunFolder):
+    """A decay branch, ``branches/<label>/`` of the run folder `trunk`: a run folder of its
+    own for what it makes, whose stamps are kept in the trunk's ``.stamps/``: its decay as
+    ``decay@<label>`` (what the steps read as "train"), ``merge@<label>``, ``bake@<label>``,
+    and every other step's stamp the trunk's own. A stop asked of the run is the trunk's."""
+
+    trunk: Path
+    label: str
+
+    def stamp(self, step: str) -> Path:
+        own = _BRANCH_OWN.get(step)
+        return RunFolder(self.trunk).stamp(f"{own}@{self.label}" if own else step)
+
+    branch_json = property(lambda self: self.root / BRANCH_JSON)
+    trunk_stop = property(lambda self: self.trunk / STOP)

@@ -68,19 +68,36 @@ class SplitSettings(_Settings):
 
 
 class Schedule(_Settings):
-    """A warmup-stable-decay learning-rate schedule, as fractions of the training steps."""
+    """A warmup-stable-decay learning-rate schedule: its warmup and decay as fractions of the
+    training steps, or as counts of steps (``warmup_steps``, ``decay_steps``: the same for any
+    length, so that runs of different lengths share their stable phase)."""
 
     warmup: float = Field(default=0.1, ge=0, le=1, description="Linear warmup from 0.")
     decay: float = Field(default=0.2, ge=0, le=1, description="Linear decay to 0 at the end.")
+    warmup_steps: int | None = Field(default=None, ge=0, le=10_000_000,
+                                     description="The warmup in steps, instead of `warmup`.")
+    decay_steps: int | None = Field(default=None, ge=0, le=10_000_000,
+                                    description="The decay in steps, instead of `decay`.")
 
     @model_validator(mode="after")
     def _fits(self) -> Schedule:
+        for count, fraction in (("warmup_steps", "warmup"), ("decay_steps", "decay")):
+            if getattr(self, count) is not None and fraction in self.model_fields_set:
+                raise ValueError(f"set either {fraction} or {count}, not both")
         if self.warmup + self.decay > 1:
             raise ValueError(
                 f"warmup + decay is {self.warmup + self.decay:g}, more than the whole run; "
                 "make their sum at most 1"
             )
         return self
+
+    def warmup_of(self, steps: int) -> int:
+        """The warmup, in steps, of a run of `steps` steps."""
+        return self.warmup_steps if self.warmup_steps is not None else round(self.warmup * steps)
+
+    def decay_of(self, steps: int) -> int:
+        """The decay, in steps, of a run of `steps` steps."""
+        return self.decay_steps if self.decay_steps is not None else round(self.decay * steps)
 
 
 class SampleSettings(_Settings):
@@ -110,6 +127,11 @@ class TrainSettings(_Settings):
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1
     )
     steps: int | None = Field(default=None, gt=0, le=10_000_000)
+    budgets: list[Annotated[int, Field(gt=0, le=10_000_000)]] | None = Field(
+        default=None, min_length=1,
+        description="Several finished models from one run: one per budget (steps), each a decay branched "
+        "off the shared stable phase (branches/<budget>/).",
+    )
     epochs: float | None = Field(default=None, gt=0, le=100_000)
     micro_batch_size: int = Field(default=4, gt=0, le=65536)
     gradient_accumulation_steps: int = Field(default=1, gt=0, le=65536)
@@ -173,7 +195,34 @@ class TrainSettings(_Settings):
     def _one_length(self) -> TrainSettings:
         if self.steps is not None and self.epochs is not None:
             raise ValueError("set either steps or epochs, not both")
+        if self.budgets is not None and (self.steps is not None or self.epochs is not None):
+            raise ValueError("set either budgets or steps/epochs, not both (each budget is a length)")
+        if self.budgets is not None and self.trainer != "builtin":
+            raise ValueError("train.budgets branches decays off the built-in trainer's checkpoints; "
+                             "set train.trainer to builtin, or train one length with train.steps")
+        if self.steps is not None:
+            self._fits_in(self.steps, "train.steps")
+        for budget in self.budgets or []:
+            self._fits_in(budget, "train.budgets")
         return self
+
+    def _fits_in(self, steps: int, field: str) -> None:
+        schedule = self.schedule
+        warmup = schedule.warmup_of(max(self.budgets) if self.budgets else steps)
+        decay = schedule.decay_of(steps)
+        if warmup + decay > steps:
+            raise ValueError(f"{steps} steps ({field}) are fewer than the warmup ({warmup}) plus the decay ({decay}); "
+                             f"make it at least {warmup + decay} or shorten the schedule")
+
+    @field_validator("budgets")
+    @classmethod
+    def _budgets_once_each(cls, budgets: list[int] | None) -> list[int] | None:
+        if budgets is None:
+            return None
+        twice = sorted({b for b in budgets if budgets.count(b) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(map(str, twice))} listed more than once; list each budget once")
+        return sorted(budgets)
 
     @model_validator(mode="after")
     def _sharable(self) -> TrainSettings:

@@ -9,7 +9,8 @@ A stamp is a small JSON file, ``<run>/.stamps/<step>.json``, written last and at
       "fingerprint": "9f2c...",        # hash of everything the step read (see `fingerprint`)
       "inputs": {...},                 # what went into the fingerprint, readable ("why")
       "root": "",                      # where the outputs' paths start: "" is the run
-                                       # folder (so a moved or restored run still matches)
+                                       # folder (so a moved or restored run still matches),
+                                       # "branches/300" a branch in it; else absolute (the cache)
       "outputs": [{"path": "checkpoints/step-000010/adapter_model.safetensors",
                    "size": 1234, "mtime_ns": 1700000000000000000, "hash": "ab12..."}],
       "summary": {...},                # what the step wants to tell (counts, losses)
@@ -111,7 +112,7 @@ def verify(stamp: Stamp, hashes: HashCache, run_dir: str | os.PathLike) -> str |
     (a run folder restored from a cache). One whose mtime changed is hashed, and the new
     stat remembered by the hash cache, so that it is read once, not on every rerun.
     """
-    root = Path(stamp.root) if stamp.root else Path(run_dir)
+    root = Path(run_dir) / stamp.root  # "" is the run folder; a branch's is relative to it, the cache's absolute
     for entry in stamp.outputs:
         p = root / entry["path"]
         try:

@@ -1,5 +1,6 @@
 """The commands that bake a plan: ``bake`` (with --dry-run, --check, --detach, --foreground),
-and ``split`` (the split step alone)."""
+``split`` (the split step alone) and ``decay`` (a finished model branched off a stable
+checkpoint)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from ..errors import OverbrainerError
 from ..folder import RunFolder
-from .common import shown
+from .common import find_run, shown
 
 
 def add_parsers(sub) -> None:
@@ -32,6 +33,14 @@ def add_parsers(sub) -> None:
     p.add_argument("plan", help="the plan file, e.g. plans/demo.json")
     p.add_argument("--json", action="store_true", help="one JSON object: folder, rows, train, validation")
     p.set_defaults(func=cmd_split)
+
+    p = sub.add_parser("decay", help="a finished model from a stable-phase checkpoint: a decay of its own, "
+                                     "merged and baked under branches/at-STEP/")
+    p.add_argument("run", help="the run (its folder, its name, or its plan)")
+    p.add_argument("--at", type=int, required=True, help="the stable checkpoint's step (`overbrainer checkpoints RUN`)")
+    p.add_argument("--steps", type=int, help="decay steps (default: the run's own decay)")
+    p.add_argument("--json", action="store_true", help="one JSON object: branch, folder, steps run and skipped")
+    p.set_defaults(func=cmd_decay)
 
 
 def cmd_bake(args) -> int:
@@ -90,6 +99,33 @@ def cmd_split(args) -> int:
     return 0
 
 
+def cmd_decay(args) -> int:
+    """Branch a decay off the run's checkpoint at ``--at``, merge and bake it, in this
+    process: ``branches/at-STEP/``. Done already: nothing to do; interrupted: it goes on."""
+    from ..errors import RunStateError
+    from ..graph.driver import compile_bake, run_bake
+    from ..graph.tasks import GROUP
+    from ..steps.branch import make_at_branch
+
+    out = sys.stderr if args.json else sys.stdout
+    run = find_run(args.run, args.runs)
+    plan = run.status.get("plan_file")
+    if not plan or not Path(plan).is_file():
+        raise RunStateError(f"{shown(run.folder.root)}: its plan file {plan or '(none recorded)'} is not there; "
+                            "bake the plan again first, or give its plan (`overbrainer decay PLAN --at STEP`)")
+    bake = compile_bake(plan, runs=run.folder.root.parent, say=lambda message: print(message, file=out, flush=True))
+    label = make_at_branch(bake, args.at, args.steps)
+    done = run_bake(bake, task=[f"{GROUP}:bake@{label}"])  # doit runs what it reads first
+    if done.error is not None:
+        raise done.error
+    folder = bake.folder.branch(label)
+    print(f"baked: {shown(folder.baked)}" if done.ran else f"everything is up to date: {shown(folder.baked)}", file=out)
+    if args.json:
+        print(json.dumps({"branch": label, "folder": str(folder.root), "baked": str(folder.baked),
+                          "ran": done.ran, "skipped": done.skipped}))
+    return 0
+
+
 def _bake_check(bake, report: dict, as_json: bool, out) -> int:
     """``bake --check``: like ``make -q``, the exit code says whether anything would run."""
     from ..graph.driver import would_run
@@ -98,7 +134,7 @@ def _bake_check(bake, report: dict, as_json: bool, out) -> int:
     for row in rows:
         print(f"would run {row['step']:<8} {row['why']}", file=out)
     if not rows:
-        print(f"everything is up to date: {bake.shown(bake.folder.baked)}", file=out)
+        print(f"everything is up to date: {', '.join(bake.shown(b) for b in _baked_of(bake.folder.root))}", file=out)
     if as_json:
         print(json.dumps({**report, "up_to_date": not rows, "would_run": [r["step"] for r in rows], "steps": rows}))
     return 1 if rows else 0
@@ -151,7 +187,7 @@ def _bake_detached(bake, report: dict, args, out) -> int:
             return 0
     elif started.how == "done":
         report.update(ran=[], skipped=[r["step"] for r in started.rows], state="done", baked=str(bake.folder.baked))
-        print(f"everything is up to date: {shown(bake.folder.baked)}", file=out)
+        print(f"everything is up to date: {', '.join(shown(b) for b in _baked_of(bake.folder.root))}", file=out)
         return _done(report, args.json, out, bake.folder.root)
     elif args.detach:
         where = shown(bake.folder.root)
@@ -168,6 +204,17 @@ def _bake_detached(bake, report: dict, args, out) -> int:
     return finish(bake.folder.root, report, args.json, out, False)
 
 
+def _baked_of(folder: Path) -> list[Path]:
+    """Where a finished bake's models are: baked/, or each budget's branch (train.budgets)."""
+    from ..folder import BRANCHES
+
+    trunk = RunFolder(folder).baked
+    if trunk.is_dir() or not (folder / BRANCHES).is_dir():
+        return [trunk]
+    budgets = sorted((p for p in (folder / BRANCHES).iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    return [p / "baked" for p in budgets] or [trunk]
+
+
 def finish(folder: Path, report: dict, as_json: bool, out, quiet: bool) -> int:
     """Tell how the last bake of `folder` ended, from its run.json; the exit code."""
     from ..runtime.run import Run
@@ -178,9 +225,12 @@ def finish(folder: Path, report: dict, as_json: bool, out, quiet: bool) -> int:
     state = status["state"]
     report["state"] = state
     if state == "done":
-        report["baked"] = str(RunFolder(Path(folder)).baked)
+        baked = _baked_of(Path(folder))
+        report["baked"] = str(baked[-1])  # the largest budget's, with train.budgets: all of them in "branches"
+        if len(baked) > 1 or baked[0].parent != Path(folder):
+            report["branches"] = [str(b) for b in baked]
         if not quiet:
-            where = shown(RunFolder(Path(folder)).baked)
+            where = ", ".join(shown(b) for b in baked)
             print(f"baked: {where}" if report["ran"] else f"everything is up to date: {where}", file=out)
         return _done(report, as_json, out, folder, quiet)
     reason = status.get("reason") or state

@@ -29,7 +29,7 @@ def cmd_graph(args) -> int:
     from ..graph.driver import compile_bake
 
     bake = compile_bake(args.plan, runs=args.runs)
-    states = explain.steps() if args.no_status else explain.survey(bake)
+    states = explain.steps(bake) if args.no_status else explain.survey(bake)
     if args.json:
         print(json.dumps(explain.as_json(bake, states, outs=args.outs), indent=1))
         return 0

@@ -81,7 +81,7 @@ def cmd_status(args) -> int:
     rows = []
     for run in targets:
         status, progress = run.status, run.progress()
-        rows.append({**status, "folder": str(run.folder.root), "progress": progress})
+        rows.append({**status, "folder": str(run.folder.root), "progress": progress, "branches": run.branches()})
     if args.json:
         print(json.dumps(rows[0] if args.run else rows, indent=1))
         return 0
@@ -92,6 +92,10 @@ def cmd_status(args) -> int:
         if row.get("reason"):
             line += f"  ({row['reason']})"
         print(line)
+        for label, b in row["branches"].items():
+            state = "baked" if b["baked"] else f"step {b['step']}" if b["step"] is not None else "not started"
+            print(f"  branch {label}: {state}, decayed from the trunk's {b['from'] or '(not yet)'}  "
+                  f"{shown(Path(b['folder']))}")
     return 0
 
 
@@ -249,10 +253,19 @@ def cmd_checkpoints(args) -> int:
 
     run = find_run(args.run, args.runs)
     rows = []
-    for step, folder in ckpt.complete(run.folder.checkpoints):
-        meta = ckpt.read_meta(folder)
-        rows.append({"step": step, "path": str(folder), "phase": meta.get("phase"), "decayed": meta.get("decayed"),
-                     "loss": meta.get("loss"), "eval_loss": meta.get("eval_loss")})
+    folders = [(None, run.folder.checkpoints)]
+    folders += [(label, Path(b["folder"]) / "checkpoints") for label, b in run.branches().items()]
+    for branch, checkpoints in folders:
+        for step, folder in ckpt.complete(checkpoints):
+            meta = ckpt.read_meta(folder)
+            stable = bool(meta.get("trajectory")) and step <= meta.get("decay_start", -1)
+            rows.append({"step": step, "path": str(folder), "phase": meta.get("phase"), "decayed": meta.get("decayed"),
+                         "loss": meta.get("loss"), "eval_loss": meta.get("eval_loss"), "branch": branch,
+                         "stable": branch is None and stable, "best": False})
+    # the stable checkpoint with the best validation loss: where `overbrainer decay --at` may branch off
+    scored = [r for r in rows if r["stable"] and r["eval_loss"] is not None]
+    if scored:
+        min(scored, key=lambda r: r["eval_loss"])["best"] = True
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -260,9 +273,12 @@ def cmd_checkpoints(args) -> int:
         print(f"{shown(run.folder.root)}: no checkpoint yet")
     for r in rows:
         note = "" if r["decayed"] else "  (not decayed)"
+        if r["best"]:
+            note += f"  best stable eval: overbrainer decay {shown(run.folder.root)} --at {r['step']}"
         ev = f"  eval {r['eval_loss']:.4f}" if r["eval_loss"] is not None else ""
         loss = f"  loss {r['loss']:.4f}" if r["loss"] is not None else ""
-        print(f"step {r['step']:>6}  {r['phase']:<7}{loss}{ev}  {shown(Path(r['path']))}{note}")
+        where = f"branch {r['branch']}" if r["branch"] else "trunk"
+        print(f"{where:<13} step {r['step']:>6}  {r['phase']:<7}{loss}{ev}  {shown(Path(r['path']))}{note}")
     return 0
 
 

@@ -116,12 +116,20 @@ def model_card(card: dict, metrics: list[dict], files: dict[str, str]) -> str:
     how = (
         "the LoRA adapter merged into the weights" if train["adapter"] in ("lora", "qlora") else "a full fine-tune"
     )
+    warmup = f"{schedule['warmup_steps']} steps" if schedule.get("warmup_steps") is not None else f"{schedule['warmup']:g}"
+    decay = f"{schedule['decay_steps']} steps" if schedule.get("decay_steps") is not None else f"{schedule['decay']:g}"
+    branch = card.get("branch")
+    branched = (
+        f"\nA decay branch ({branch['label']}): the run's shared stable phase up to its checkpoint "
+        f"`{branch['trunk']}`, then a decay of its own to step {result['steps']}; the same weights as a run of "
+        f"{result['steps']} steps from step 0.\n" if branch else ""
+    )
     body = f"""
 # {card['name']}
 
 Fine-tuned from {_base_named(card)} by [overbrainer](https://pypi.org/project/overbrainer/)
 ({train['adapter']}, {result['steps']} steps, {how}).
-
+{branched}
 ## Files
 
 {_files_section(files)}
@@ -153,7 +161,7 @@ Every evaluation step, and the last:
 | setting | value |
 |---|---|
 {settings}
-| `schedule` | warmup {schedule['warmup']:g}, decay {schedule['decay']:g} (warmup-stable-decay) |
+| `schedule` | warmup {warmup}, decay {decay} (warmup-stable-decay) |
 
 ## Use
 

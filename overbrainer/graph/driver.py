@@ -154,11 +154,12 @@ def dry_run(bake: Bake) -> list[dict]:
     """Each step, whether it would run, and why: nothing is run, and nothing written but
     the hash cache (a file whose mtime changed is hashed here once, not on every check)."""
     from ..steps import check
-    from .tasks import DEPS, STEPS
+    from .tasks import graph_of
 
     rows, will_run = [], set()
-    for module in STEPS:
-        after = [d for d in DEPS[module.NAME] if d in will_run]
+    steps, deps = graph_of(bake)
+    for module in steps:
+        after = [d for d in deps[module.NAME] if d in will_run]
         status = check(bake, module)
         if status.up_to_date and not after:
             rows.append({"step": module.NAME, "run": False, "why": "up to date"})
@@ -168,6 +169,12 @@ def dry_run(bake: Bake) -> list[dict]:
         # follows a step before it (waits for it, or is up to date until that one reruns)
         own = status.fingerprint is not None and not status.up_to_date
         why = status.reason if own or not after else f"after {', '.join(after)}"
+        foresee = getattr(module, "foresee", None)
+        if not own and after == ["config"] and foresee is not None and not set(deps["config"]) & will_run:
+            # what it would go on from once config has rerun, config being the only step
+            # before it that reruns (train: the checkpoints of the stable phase)
+            note = foresee(bake)
+            why = f"{why}; {note}" if note else why
         rows.append({"step": module.NAME, "run": True, "why": why})
     if bake.folder.root.is_dir():  # a plan never baked gets no folder from a dry run
         bake.hashes.save()
@@ -218,7 +225,7 @@ def _reporter(bake: Bake, done: Outcome, tell_errors: bool, record: bool):
 
     from doit.reporter import ConsoleReporter
 
-    from .tasks import GROUP, STEPS
+    from .tasks import GROUP, graph_of
 
     class BakeReporter(ConsoleReporter):
         attempt: _Attempt | None = None
@@ -259,7 +266,7 @@ def _reporter(bake: Bake, done: Outcome, tell_errors: bool, record: bool):
             if self.runtime_errors:
                 self.write("\n".join(self.runtime_errors) + "\n")
             if self.attempt is not None:
-                if done.error is None and len(done.ran) + len(done.skipped) < len(STEPS):
+                if done.error is None and len(done.ran) + len(done.skipped) < len(graph_of(bake)[0]):
                     done.error = KeyboardInterrupt()  # doit was stopped between its steps
                 self.attempt.end()
                 self.attempt = None

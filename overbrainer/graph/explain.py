@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import OverbrainerError
 from ..stamps import input_changes, read_stamp, short
-from .tasks import DEPS, STEPS, downstream
+from .tasks import downstream, graph_of
 
 if TYPE_CHECKING:
     from ..folder import RunFolder
@@ -66,9 +66,11 @@ class StepState:
     reruns: list[str] = field(default_factory=list)  # the steps after it that it makes rerun
 
 
-def steps() -> list[StepState]:
-    """The graph alone, without statuses: the same on every machine (the README's copy)."""
-    return [StepState(m.NAME, list(m.TARGETS), list(DEPS[m.NAME])) for m in STEPS]
+def steps(bake: Bake | None = None) -> list[StepState]:
+    """The graph alone, without statuses: the same on every machine (the README's copy);
+    with `bake`, that bake's (its budgets' and its decays' branches)."""
+    graph, deps = graph_of(bake)
+    return [StepState(m.NAME, list(m.TARGETS), list(deps[m.NAME])) for m in graph]
 
 
 def survey(bake: Bake) -> list[StepState]:
@@ -76,9 +78,9 @@ def survey(bake: Bake) -> list[StepState]:
     from .driver import dry_run
 
     rows = {row["step"]: row for row in dry_run(bake)}
-    current = _in_progress(bake.folder)
+    current = _in_progress(bake.folder, bake)
     out = []
-    for state in steps():
+    for state in steps(bake):
         row = rows[state.step]
         has_stamp = read_stamp(bake.folder.stamp(state.step)) is not None
         if state.step == current:
@@ -116,7 +118,7 @@ def recorded(folder: RunFolder) -> list[StepState]:
     return out
 
 
-def _in_progress(folder: RunFolder) -> str | None:
+def _in_progress(folder: RunFolder, bake: Bake | None = None) -> str | None:
     """The step a live bake of this folder is doing now, if one is under way."""
     if not folder.run_json.exists():
         return None
@@ -125,15 +127,16 @@ def _in_progress(folder: RunFolder) -> str | None:
     status = journal.status(folder)  # a process that died is not shown as running
     if status.get("state") not in journal.ACTIVE:
         return None
-    return _first_unstamped(folder, status.get("task"))
+    return _first_unstamped(folder, status.get("task"), bake)
 
 
-def _first_unstamped(folder: RunFolder, task: str | None) -> str | None:
-    if task in DEPS:
+def _first_unstamped(folder: RunFolder, task: str | None, bake: Bake | None = None) -> str | None:
+    graph, deps = graph_of(bake)  # without a bake (the serve page's record): the single-budget graph
+    if task in deps:
         return task
     # a run.json from before it named its step: steps run in order, each deleting its
     # stamp when it starts, so the first one without a stamp is the one under way
-    for module in STEPS:
+    for module in graph:
         if read_stamp(folder.stamp(module.NAME)) is None:
             return module.NAME
     return None
@@ -145,8 +148,9 @@ def _first_unstamped(folder: RunFolder, task: str | None) -> str | None:
 def why(bake: Bake, step: str | None = None) -> list[StepState]:
     """Every step (or `step`, with the stale steps before it that make it rerun), with what
     changed and what it makes rerun."""
-    if step is not None and step not in DEPS:
-        names = ", ".join(DEPS)
+    deps = graph_of(bake)[1]
+    if step is not None and step not in deps:
+        names = ", ".join(deps)
         raise OverbrainerError(f"why: no step {step!r}; the steps are {names}")
     states = survey(bake)
     by_name = {s.step: s for s in states}
@@ -154,17 +158,17 @@ def why(bake: Bake, step: str | None = None) -> list[StepState]:
         if state.status != "stale":
             continue
         if state.why.startswith("after "):
-            state.changes = [{"kind": "upstream", "step": s} for s in state.why[6:].split(", ")]
+            state.changes = [{"kind": "upstream", "step": s} for s in state.why[6:].split("; ")[0].split(", ")]
             continue
         state.changes = _changes(bake, state.step)
-        state.reruns = downstream(state.step)
+        state.reruns = downstream(state.step, bake)
     if step is None:
         return states
     if by_name[step].status in ("done", "running"):
         return [by_name[step]]
     # the steps before it that make it run: those that never ran, or whose own inputs,
     # outputs or code changed (not those that only follow another)
-    before = _before(step)
+    before = _before(step, deps)
     return [s for s in states if s.step == step or (s.step in before and _is_cause(s))]
 
 
@@ -172,15 +176,15 @@ def _is_cause(s: StepState) -> bool:
     return s.status in ("missing", "running") or (s.status == "stale" and not s.why.startswith("after "))
 
 
-def _before(name: str) -> set[str]:
+def _before(name: str, deps: dict) -> set[str]:
     """Every step whose outputs `name` reads, directly or not."""
     out: set[str] = set()
-    todo = list(DEPS[name])
+    todo = list(deps[name])
     while todo:
         d = todo.pop()
         if d not in out:
             out.add(d)
-            todo.extend(DEPS[d])
+            todo.extend(deps[d])
     return out
 
 
@@ -189,7 +193,7 @@ def _changes(bake: Bake, name: str) -> list[dict]:
     from ..steps import NotReady
     from .tasks import step as step_module
 
-    module = step_module(name)
+    module = step_module(name, bake)
     stamp = read_stamp(bake.folder.stamp(name))
     if stamp is None:
         return []
@@ -214,9 +218,7 @@ def _changes(bake: Bake, name: str) -> list[dict]:
 def _output_changes(bake: Bake, stamp) -> list[dict]:
     """The outputs that no longer match the stamp's manifest, with old and new hash
     (the same test as `stamps.verify`: a matching size and mtime is trusted)."""
-    from pathlib import Path
-
-    root = Path(stamp.root) if stamp.root else bake.folder.root
+    root = bake.folder.root / stamp.root
     out = []
     for entry in stamp.outputs:
         path = root / entry["path"]
@@ -247,6 +249,8 @@ def why_text(states: list[StepState]) -> str:
             continue
         lines.append(f"{s.step}: stale")
         lines.extend(f"  {_change_line(c)}" for c in s.changes or [{"kind": "other", "why": s.why}])
+        if s.changes and "; resumes from " in s.why:  # what of its outputs it goes on from
+            lines.append(f"  {s.why.split('; ', 1)[1]}")
         lines.append(f"  makes rerun: {', '.join(s.reruns)}" if s.reruns else "  makes nothing else rerun")
     return "\n".join(lines) + "\n"
 

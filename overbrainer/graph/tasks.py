@@ -10,6 +10,14 @@
 A step depends on the steps whose outputs it reads: base and split read only the plan and
 its input files, so editing a training setting never makes them wait for anything.
 
+A plan with ``train.budgets`` trains the trunk (the stable phase) once, and each budget b is
+a branch of its own after it (``steps/branch.py``), in place of merge and bake::
+
+    train ─► decay@b ─► branches/b/checkpoints/ ─► merge@b ─► branches/b/merged/ ─► bake@b ─► branches/b/baked/
+
+and so is each branch ``overbrainer decay --at s`` made (``decay@at-s``, ...). `graph_of`
+gives a bake's steps and what each reads; `STEPS` and `DEPS` are the single-budget graph.
+
 Compiling is pure: it builds task dictionaries and reads nothing but stamps (when doit asks
 whether a task is up to date). Running them is doit's job (``build.py``, ``dodo.py``).
 Every task is a subtask of the group ``train``, so ``doit train plan=...`` runs it all, and
@@ -24,12 +32,12 @@ from typing import TYPE_CHECKING
 
 from ..steps import bake as bake_step
 from ..steps import base_model as base_step
-from ..steps import check, config, execute, merge, resolve, split, train
+from ..steps import branch, check, config, execute, merge, resolve, split, train
 
 if TYPE_CHECKING:
     from ..steps.context import Bake
 
-__all__ = ["STEPS", "DEPS", "GROUP", "Outcome", "doit_tasks", "step"]
+__all__ = ["STEPS", "DEPS", "GROUP", "Outcome", "doit_tasks", "step", "graph_of"]
 
 GROUP = "train"
 STEPS = (resolve, base_step, split, config, train, merge, bake_step)
@@ -57,18 +65,39 @@ class Outcome:
     signalled: int | None = None
 
 
-def step(name: str):
-    for module in STEPS:
+TRUNK = (resolve, base_step, split, config, train)
+
+
+def graph_of(bake: Bake | None = None) -> tuple[list, dict[str, tuple[str, ...]]]:
+    """A bake's steps in order, and the steps each reads: `STEPS` and `DEPS`, but with the
+    plan's budgets (which replace merge and bake) and the branches made by ``decay --at``.
+    Reads the plan and the names in ``branches/``, nothing else."""
+    if bake is None:
+        return list(STEPS), dict(DEPS)
+    labels = branch.labels(bake)
+    budgets = getattr(bake.plan.train, "budgets", None)
+    steps = list(TRUNK if budgets else STEPS)
+    deps = {m.NAME: DEPS[m.NAME] for m in steps}
+    for label in labels:
+        decay, merge_b, bake_b = branch.steps_of(label)
+        steps += [decay, merge_b, bake_b]
+        deps.update({decay.NAME: ("train",), merge_b.NAME: (decay.NAME,), bake_b.NAME: (merge_b.NAME,)})
+    return steps, deps
+
+
+def step(name: str, bake: Bake | None = None):
+    for module in graph_of(bake)[0]:
         if module.NAME == name:
             return module
     raise KeyError(name)
 
 
-def downstream(name: str) -> list[str]:
+def downstream(name: str, bake: Bake | None = None) -> list[str]:
     """Every step that reads, directly or not, what `name` writes, in order."""
+    steps, deps = graph_of(bake)
     out: list[str] = []
-    for module in STEPS:
-        if any(d == name or d in out for d in DEPS[module.NAME]):
+    for module in steps:
+        if any(d == name or d in out for d in deps[module.NAME]):
             out.append(module.NAME)
     return out
 
@@ -81,8 +110,9 @@ class _UpToDate:
     skipped is up to date now; one it has not reached is asked (`doit info`, `doit list
     --status`)."""
 
-    def __init__(self, bake: Bake, module, done: Outcome, checks: dict[str, _UpToDate]):
+    def __init__(self, bake: Bake, module, done: Outcome, checks: dict[str, _UpToDate], deps: dict):
         self.bake, self.module, self.done, self.checks, self.reason = bake, module, done, checks, None
+        self.deps = deps
 
     def __call__(self) -> bool:
         status = check(self.bake, self.module)
@@ -90,7 +120,7 @@ class _UpToDate:
         if not status.up_to_date:
             return False
         reached = set(self.done.ran) | set(self.done.skipped)
-        before = [d for d in DEPS[self.module.NAME] if d not in reached and not self.checks[d]()]
+        before = [d for d in self.deps[self.module.NAME] if d not in reached and not self.checks[d]()]
         if before:
             self.reason = f"after {', '.join(before)}"
             return False
@@ -117,16 +147,17 @@ def remove_stamp(bake: Bake, module, dryrun: bool = False) -> None:
 def doit_tasks(bake: Bake, done: Outcome):
     """The doit task dictionaries of a bake, in order; what they do is recorded in `done`."""
     folder = bake.folder
+    steps, deps = graph_of(bake)
     checks: dict[str, _UpToDate] = {}
-    for module in STEPS:
-        checks[module.NAME] = _UpToDate(bake, module, done, checks)
-    for module in STEPS:
+    for module in steps:
+        checks[module.NAME] = _UpToDate(bake, module, done, checks, deps)
+    for module in steps:
         yield {
             "basename": GROUP,
             "name": module.NAME,
             "doc": (module.__doc__ or "").strip().splitlines()[0],
             "actions": [(action, [bake, done, module])],
-            "file_dep": [str(folder.stamp(d)) for d in DEPS[module.NAME]],
+            "file_dep": [str(folder.stamp(d)) for d in deps[module.NAME]],
             "targets": [str(folder.stamp(module.NAME))],
             "uptodate": [checks[module.NAME]],
             # `doit clean` removes the stamps only: outputs stay (checkpoints are expensive)

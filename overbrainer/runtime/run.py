@@ -270,6 +270,41 @@ class Run:
 
         return Model.baked(self.folder.root)
 
+    def branches(self) -> dict[str, dict]:
+        """Its decay branches (``branches/``: a budget's ``"300"``, a decay's ``"at-400"``),
+        each with the trunk checkpoint it decays from, its last step and whether it is baked."""
+        from ..folder import BRANCHES
+        from ..trainers import checkpoint as ckpt
+
+        out = {}
+        root = self.folder.root / BRANCHES
+        for p in sorted(root.iterdir() if root.is_dir() else [], key=_branch_order):
+            done = ckpt.complete(p / "checkpoints")
+            if not p.is_dir() or not (done or (p / "branch.json").exists()):
+                continue
+            seed = min(done)[1].name if done else None
+            out[p.name] = {"from": seed, "step": done[-1][0] if done else None, "baked": (p / "baked" / "config.json").is_file(),
+                           "folder": str(p)}
+        return out
+
+    def branch(self, label: int | str):
+        """A branch's baked model: ``run.branch(300)`` for budget 300, ``run.branch("at-400")``
+        for ``overbrainer decay --at 400``."""
+        from ..chat import Model
+        from ..folder import BRANCHES
+
+        folder = self.folder.root / BRANCHES / str(label)
+        if not folder.is_dir():
+            there = ", ".join(self.branches()) or "none"
+            raise RunStateError(f"{self.folder.root}: no branch {label}; the branches are: {there}")
+        return Model.baked(folder)
+
+
+def _branch_order(path: Path) -> tuple[int, int]:
+    """Budgets by size, then decays by step."""
+    name = path.name
+    return (0, int(name)) if name.isdigit() else (1, int(name[3:]) if name[3:].isdigit() else 0)
+
 
 def _steps_from_config(config: Path) -> int | None:
     try:

@@ -7,6 +7,8 @@ Each step is a module with::
     TARGETS: list      the files it makes, relative to the run folder (documentation)
     inputs(bake)       -> dict: everything the step reads, JSON-able: its fingerprint
     run(bake, inputs)  -> Outputs: does the work
+    reuse_note(bake, inputs, fingerprint) -> str | None   (optional) what of its partial
+                       outputs a rerun goes on from, added to why it runs
 
 Every step is given a `context.Bake` (the compiled plan, where things are, and how to speak
 to the user); it never imports the bake driver (``graph/``). `inputs` reads upstream stamps
@@ -69,6 +71,18 @@ def check(bake: Bake, module: ModuleType) -> Status:
 
 
 def _check(bake: Bake, module: ModuleType) -> Status:
+    status = _compare(bake, module)
+    note = getattr(module, "reuse_note", None)
+    if not status.up_to_date and status.inputs is not None and note is not None:
+        # what of its partial outputs a step that reruns goes on from (train: the
+        # checkpoints of the stable phase that another length shares)
+        said = note(bake, status.inputs, status.fingerprint)
+        if said:
+            status.reason = f"{status.reason}; {said}"
+    return status
+
+
+def _compare(bake: Bake, module: ModuleType) -> Status:
     try:
         inputs = module.inputs(bake)
     except NotReady as e:
@@ -107,7 +121,7 @@ def execute(bake: Bake, module: ModuleType) -> bool:
     out = module.run(bake, status.inputs)
     from ..stamps import manifest
 
-    root = out.root or str(bake.folder.root)
+    root = bake.folder.root / out.root  # "" is the run folder; a branch's root is relative to it
     files = manifest(root, out.entries, bake.hashes)
     write_stamp(
         stamp_path,

@@ -62,14 +62,30 @@ def _template_pin(template: Template | None) -> dict | None:
 
 
 def schedule_steps(train: TrainSettings, train_rows: int) -> dict:
-    """Steps of the run and of each schedule phase (warmup, stable, decay)."""
+    """Steps of the run and of each schedule phase (warmup, stable, decay).
+
+    With ``train.budgets`` this is the trunk's: the shared warmup and stable phase up to the
+    latest decay start a budget needs (b − decay(b)), no decay of its own, and a checkpoint
+    at each budget's decay start (``save_at``); ``budgets`` gives each budget's own schedule,
+    that of a single run of b steps."""
+    schedule = train.schedule
+    if train.budgets:
+        warmup = schedule.warmup_of(max(train.budgets))
+        budgets = {str(b): phases(b, warmup, schedule.decay_of(b)) for b in train.budgets}
+        trunk = max(b - schedule.decay_of(b) for b in train.budgets)
+        out = phases(trunk, warmup, 0)
+        out.update(save_at=sorted({b - schedule.decay_of(b) for b in train.budgets}), budgets=budgets)
+        return out
     per_step = train.micro_batch_size * train.gradient_accumulation_steps
     if train.steps is not None:
         steps = train.steps
     else:
         steps = max(1, math.ceil((train.epochs or 1.0) * train_rows / per_step))
-    warmup = round(train.schedule.warmup * steps)
-    decay = min(round(train.schedule.decay * steps), steps - warmup)
+    warmup = min(schedule.warmup_of(steps), steps)
+    return phases(steps, warmup, min(schedule.decay_of(steps), steps - warmup))
+
+
+def phases(steps: int, warmup: int, decay: int) -> dict:
     return {"max_steps": steps, "warmup": warmup, "stable": steps - warmup - decay, "decay": decay}
 
 
@@ -157,6 +173,8 @@ def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: di
         # as the built-in trainer does: a conversation longer than sequence_len is cut, not
         # dropped (Axolotl's default); one left with nothing to learn is dropped
         "excess_length_strategy": "truncate",
+        # the built-in trainer's own: checkpoints where branches decay from (train.budgets)
+        "save_at": steps.get("save_at"),
         "seed": train.seed,
         "train_on_inputs": False,
         "bf16": train.bf16,

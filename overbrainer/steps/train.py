@@ -5,7 +5,12 @@ the trackers the plan reports to (``trackers/``) with the samples of ``samples.j
 ``loss.png`` is drawn again, so a long run has a picture while it runs.
 
 Checkpoints made under another fingerprint (an older learning rate, other data) are moved
-to ``attic/`` before training starts, never deleted: a trained model is expensive.
+to ``attic/`` before training starts, never deleted: a trained model is expensive. All but
+those of the same *trajectory*: every input that shapes the weights up to a step, which is
+everything but where the run ends and where its decay begins. Up to the start of its decay
+a warmup-stable-decay run is the same run whatever its length, so a checkpoint at or before
+the decay start of both its own run and this one is this run's own, and training resumes
+from the latest such one (a plan whose ``train.steps`` grew trains only the new steps).
 """
 
 from __future__ import annotations
@@ -42,6 +47,11 @@ HOW_IT_COMPUTES = ("device", "deterministic", "torch_compile", "gradient_checkpo
 WATCHING = ("samples",)
 
 TARGETS = [f"{CHECKPOINTS}/", METRICS, LOG]
+# config.yaml keys that say where a run ends and where its decay begins, not how its weights
+# get there before that: they are left out of the trajectory
+WHERE_IT_ENDS = ("max_steps", "save_at")
+WHERE_DECAY_BEGINS = ("num_stable_steps", "num_decay_steps")
+TRAJECTORY_ENV = "OVERBRAINER_TRAJECTORY"
 
 
 def inputs(bake: Bake) -> dict:
@@ -84,9 +94,11 @@ def run(bake: Bake, inputs: dict) -> Outputs:
         from ..trackers import require
 
         require(list(bake.plan.report_to))  # before training, in one line
-    set_aside_other_runs(folder.root, folder.checkpoints, fp)
+    kept = set_aside_other_runs(folder.root, folder.checkpoints, fp, inputs)
+    if kept:
+        bake.say(f"train: resumes from {kept.name} (the stable phase is unchanged)")
     max_steps = inputs["config"]["max_steps"]
-    code = launch(bake, fp, max_steps)
+    code = launch(bake, fp, max_steps, trajectory(inputs))
     if code != 0:
         said = folder.trainer_error
         if said.exists():  # the trainer said why, in one line
@@ -117,23 +129,120 @@ def run(bake: Bake, inputs: dict) -> Outputs:
     return Outputs([CHECKPOINTS, METRICS], summary=summary)
 
 
-def set_aside_other_runs(run_dir: Path, checkpoints: Path, fp: str) -> None:
-    """Move checkpoints (and their metrics) of another fingerprint to attic/."""
-    done = ckpt.complete(checkpoints)
-    others = [p for _, p in done if ckpt.read_meta(p).get("fingerprint") != fp]
-    if not others:
-        return
-    old = ckpt.read_meta(others[-1]).get("fingerprint") or "unknown"
+def trajectory(inputs: dict) -> str:
+    """The fingerprint of what shapes the weights up to the decay: the train step's inputs
+    but where the run ends and where its decay begins."""
+    cfg = {k: v for k, v in inputs["config"].items() if k not in WHERE_IT_ENDS}
+    cfg["lr_scheduler_kwargs"] = {k: v for k, v in cfg["lr_scheduler_kwargs"].items() if k not in WHERE_DECAY_BEGINS}
+    # (a branch's inputs name the trunk checkpoint it decays from: a cache of its first steps)
+    rest = {k: v for k, v in inputs.items() if k != "branch"}
+    return fingerprint("trajectory", 1, {**rest, "config": cfg})
+
+
+def decay_start(cfg: dict) -> int:
+    """The step (count of optimizer steps done) at which config `cfg`'s decay begins."""
+    return cfg["warmup_steps"] + cfg["lr_scheduler_kwargs"]["num_stable_steps"]
+
+
+def shares_trajectory(meta: dict, step: int, traj: str, start: int) -> bool:
+    """Whether the checkpoint (`meta`, at `step`) is a point of trajectory `traj` before the
+    decay of both its own run and one whose decay starts at `start`."""
+    return meta.get("trajectory") == traj and step <= min(meta.get("decay_start", -1), start)
+
+
+def sorted_out(checkpoints: Path, fp: str, inputs: dict) -> tuple[list[Path], list[Path], Path | None]:
+    """The complete checkpoints this run goes on from (its own fingerprint's, or another's
+    of the same trajectory before both decays), those it does not, and the newest reused
+    checkpoint of another fingerprint that it resumes from (None: none, or one of its own
+    is newer). Reads meta.json files only."""
+    traj, start = trajectory(inputs), decay_start(inputs["config"])
+    keep, aside, reused = [], [], None
+    for step, path in ckpt.complete(checkpoints):
+        try:
+            meta = ckpt.read_meta(path)
+        except (OSError, ValueError):
+            aside.append(path)
+            continue
+        if meta.get("fingerprint") == fp:
+            keep.append(path)
+            reused = None
+        elif shares_trajectory(meta, step, traj, start):
+            keep.append(path)
+            reused = path
+        else:
+            aside.append(path)
+    # a checkpoint a branch decays from (train.budgets' save_at) that is not there, before
+    # kept ones: training goes on from before it, so that it is made (the later ones aside)
+    have = {int(p.name.split("-")[-1]) for p in keep}
+    missing = [s for s in inputs["config"].get("save_at") or () if s not in have and any(h > s for h in have)]
+    if missing:
+        later = [p for p in keep if int(p.name.split("-")[-1]) > min(missing)]
+        keep = [p for p in keep if p not in later]
+        aside = sorted(aside + later, key=lambda p: int(p.name.split("-")[-1]))
+        reused = next((p for p in reversed(keep) if p not in later), None) if reused in later else reused
+    return keep, aside, reused
+
+
+def reuse_note(bake: Bake, inputs: dict, fp: str) -> str | None:
+    """What `why` and ``--dry-run`` add for a train step that would run: the checkpoint of
+    another length it resumes from."""
+    _, _, reused = sorted_out(bake.folder.checkpoints, fp, inputs)
+    return f"resumes from {reused.name} (the stable phase is unchanged)" if reused else None
+
+
+def foresee(bake: Bake) -> str | None:
+    """`reuse_note` for a train step that waits for the config step to rerun (``--dry-run``,
+    `why`): the config that step would write, foreseen from the plan and the config it wrote
+    last (its chat template, special tokens and micro-batch kept), and the checkpoints that
+    config would resume from. Only on the path where config reruns (it validates the plan)."""
+    from . import NotReady
+    from .config import build_config, schedule_steps
+
+    try:
+        config, split = upstream(bake, "config"), upstream(bake, "split")
+        now = inputs(bake)
+    except NotReady:
+        return None
+    old = config.summary.get("config")
+    if old is None:
+        return None
+    bake.validate()
+    train = bake.plan.train.model_copy(update={"micro_batch_size": old["micro_batch_size"],
+                                               "gradient_accumulation_steps": old["gradient_accumulation_steps"]})
+    cfg = build_config(train, old["base_model"], schedule_steps(train, split.summary["train"]),
+                       old.get("special_tokens", {}), bake.plan.trust_remote_code, old.get("chat_template_jinja"))
+    cfg = {k: v for k, v in cfg.items() if k not in HOW_IT_COMPUTES}
+    foreseen = {**now, "config": {**cfg, "base_model": now["config"]["base_model"]}}
+    return reuse_note(bake, foreseen, fingerprint(NAME, VERSION, foreseen))
+
+
+def set_aside_other_runs(run_dir: Path, checkpoints: Path, fp: str, inputs: dict) -> Path | None:
+    """Move checkpoints (and their metrics) of another fingerprint to attic/, but those of
+    the same trajectory before both decays (`sorted_out`); the newest of those that the
+    trainer resumes from, if any. Metrics are copied, not moved, when checkpoints stay:
+    the trainer cuts them back to the step it resumes from."""
+    keep, aside, reused = sorted_out(checkpoints, fp, inputs)
+    if not aside:
+        return reused
+    old = ckpt.read_meta(aside[-1]).get("fingerprint") or "unknown"
     when = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
     dest = RunFolder(run_dir).attic / f"{when}-{old[:8]}"
     dest.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(checkpoints), str(dest / CHECKPOINTS))
     metrics = RunFolder(run_dir).metrics
+    if not keep:
+        shutil.move(str(checkpoints), str(dest / CHECKPOINTS))
+        if metrics.exists():
+            shutil.move(str(metrics), str(dest / METRICS))
+        return reused
+    (dest / CHECKPOINTS).mkdir()
+    for path in aside:
+        shutil.move(str(path), str(dest / CHECKPOINTS / path.name))
     if metrics.exists():
-        shutil.move(str(metrics), str(dest / METRICS))
+        shutil.copy2(metrics, dest / METRICS)
+    return reused
 
 
-def launch(bake: Bake, fp: str, max_steps: int) -> int:
+def launch(bake: Bake, fp: str, max_steps: int, traj: str = "") -> int:
     """Run the trainer's job where the plan says, following its metrics as they come."""
     from ..trainers import NoTrainingData, get_trainer
     from ..where import target_for
@@ -152,7 +261,8 @@ def launch(bake: Bake, fp: str, max_steps: int) -> int:
     bake.tell(state="running", steps=max_steps, where=target.where)
     code = None
     try:
-        code = target.run(trainer, folder.root, {"OVERBRAINER_FINGERPRINT": fp}, folder.log, follower.poll)
+        code = target.run(trainer, folder.root, {"OVERBRAINER_FINGERPRINT": fp, TRAJECTORY_ENV: traj}, folder.log,
+                          follower.poll)
         return code
     except NoTrainingData as e:
         raise OverbrainerError(str(e)) from None
@@ -180,6 +290,9 @@ class Follower:
                 self.mirror.lines(_read_lines(folder.metrics, 0)[0], read_samples(folder.samples))
 
     def poll(self) -> None:
+        trunk_stop = getattr(self.bake.folder, "trunk_stop", None)
+        if trunk_stop is not None and trunk_stop.exists():  # a branch's trainer: a stop asked of the run
+            self.bake.folder.stop_request.touch()
         lines, self.seen = _read_lines(self.bake.folder.metrics, self.seen)
         for m in lines:
             _show(self.bake, m, self.max_steps)

@@ -160,6 +160,13 @@ def resume(t: Training) -> None:
     state = ckpt.load_state(folder)  # on the CPU: optimizer.load_state_dict moves it to the params
     t.optimizer.load_state_dict(state["optimizer"])
     t.scheduler.load_state_dict(state["scheduler"])
+    # the next step's learning rate from this run's schedule, not the one saved: a checkpoint
+    # of the stable phase may come from a run of another length (the train step's
+    # trajectory), whose schedule gives its last step another rate (the same on a plain resume)
+    rates = [base * rate(t.scheduler.last_epoch) for base, rate in zip(t.scheduler.base_lrs, t.scheduler.lr_lambdas)]
+    for group, lr in zip(t.optimizer.param_groups, rates):
+        group["lr"] = lr
+    t.scheduler._last_lr = rates
     ckpt.set_rng_state(state["rng"] if t.world.size == 1 else ckpt.load_rank_rng(folder, t.world.rank))
     t.step, t.saved_step = step, step
     t.tokens, t.seconds = meta["tokens"], meta["seconds"]
@@ -252,7 +259,8 @@ def save(t: Training, k: int) -> None:
         "phase": phase,
         # a checkpoint before the decay is not annealed: compare such ones with each
         # other, not with the final model
-        "decayed": phase == "decay" or k == cfg["max_steps"],
+        # (a trunk of train.budgets ends without a decay: its last checkpoint is stable)
+        "decayed": phase == "decay" or (k == cfg["max_steps"] and cfg["lr_scheduler_kwargs"]["num_decay_steps"] > 0),
         "loss": t.last["loss"],
         "eval_loss": t.last["eval_loss"],
         "lr": t.scheduler.get_last_lr()[0],
@@ -260,6 +268,10 @@ def save(t: Training, k: int) -> None:
         "seconds": round(t.seconds, 3),
         "data": t.order.position(k),
         "fingerprint": os.environ.get("OVERBRAINER_FINGERPRINT", ""),
+        # what shaped the weights so far, and where this run's decay begins: a run of
+        # another length resumes from this checkpoint when it is before both decays
+        "trajectory": os.environ.get("OVERBRAINER_TRAJECTORY", ""),
+        "decay_start": warmup + stable,
         "adapter": cfg.get("adapter") or "full",
         "base_model": cfg["base_model"],
         "world_size": t.world.size,
@@ -305,6 +317,7 @@ def train(config_path: Path, device: str = "auto", deterministic: bool = False) 
     world, max_steps = t.world, cfg["max_steps"]
     # no eval_steps: no validation rows (config.yaml has no test_datasets then)
     save_every, eval_every = cfg["save_steps"], cfg.get("eval_steps") or max_steps
+    save_at = set(cfg.get("save_at") or ())  # where budgets branch off (train.budgets)
     warmup, stable = cfg["warmup_steps"], cfg["lr_scheduler_kwargs"]["num_stable_steps"]
     samples = cfg.get("samples")
     if world.main:
@@ -387,7 +400,7 @@ def train(config_path: Path, device: str = "auto", deterministic: bool = False) 
         )
 
         # checkpoint, last: a kill anywhere above loses at most this step
-        if t.step % save_every == 0 or t.step == max_steps:
+        if t.step % save_every == 0 or t.step == max_steps or t.step in save_at:
             save(t, t.step)
 
     world.close()
