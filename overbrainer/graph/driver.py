@@ -23,7 +23,7 @@ from .compile import compile_bake
 from .tasks import Outcome
 
 __all__ = ["Outcome", "run_bake", "exit_code", "dry_run", "would_run", "doit_config", "memory_estimate", "outcome", "AlreadyRunning",
-           "compile_bake"]
+           "compile_bake", "set_aside_damaged_db", "claim_done"]
 
 
 def doit_config(bake: Bake, done: Outcome, tell_errors: bool = False, record: bool = False) -> dict:
@@ -63,6 +63,7 @@ def run_bake(bake: Bake, task: str | list[str] = "train", done: Outcome | None =
     with _one_bake(folder):
         folder.stop_request.unlink(missing_ok=True)  # a stop asked of an earlier bake
         bake.checked.clear()
+        set_aside_damaged_db(folder)
         doit = DoitMain(ModuleTaskLoader({"task_train": lambda: doit_tasks(bake, done), "DOIT_CONFIG": doit_config(bake, done)}))
         argv = ["run", *([task] if isinstance(task, str) else task)]
         if task != "train":
@@ -71,12 +72,59 @@ def run_bake(bake: Bake, task: str | list[str] = "train", done: Outcome | None =
         attempt = _Attempt(bake, done)
         try:
             done.code = doit.run(argv)
+            claim_done(bake, done)
         except BaseException as e:  # Ctrl-C twice, or a bug: the record must say so
             done.error = done.error or e
             raise
         finally:
             attempt.end()
     return done
+
+
+def set_aside_damaged_db(folder: RunFolder) -> None:
+    """doit's database (``.doit.db``) that sqlite cannot read is moved aside, with one
+    warning line on stderr, and doit starts a new one: the stamps, not doit's records, say
+    what is done (`_UpToDate`), so nothing is lost but a few stats."""
+    import sqlite3
+    import sys
+
+    db = folder.doit_db
+    if not db.is_file():
+        return
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+            con.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        con.close()
+        return
+    except sqlite3.Error as e:
+        problem = str(e)
+    aside = db.with_name(db.name + ".damaged")
+    os.replace(db, aside)
+    print(f"warning: {db} is damaged ({problem}); set aside as {aside.name} and rebuilt from the stamps",
+          file=sys.stderr, flush=True)
+
+
+def claim_done(bake: Bake, done: Outcome) -> None:
+    """The last word of a bake that is about to say "done": doit itself must have ended
+    well, and every step's stamp must be there with its outputs as the stamp lists them.
+    Anything else is an error on `done`, never a success over a missing target."""
+    from ..errors import RunFailed
+    from ..stamps import read_stamp, verify
+    from .tasks import STEPS
+
+    if done.error is not None or done.signalled is not None:
+        return
+    if done.code not in (0, None):
+        done.error = RunFailed(f"{bake.folder.root}: doit ended with exit code {done.code} before every step was "
+                               f"checked; see the lines above, then bake again")
+        return
+    for module in STEPS:
+        stamp = read_stamp(bake.folder.stamp(module.NAME))
+        problem = "it has no stamp" if stamp is None else verify(stamp, bake.hashes, bake.folder.root)
+        if problem:
+            done.error = RunFailed(f"{bake.folder.root}: the bake ended but {module.NAME} is not done ({problem}); "
+                                   f"bake again")
+            return
 
 
 class _Attempt:
@@ -261,6 +309,7 @@ def _reporter(bake: Bake, done: Outcome, tell_errors: bool, record: bool):
             if self.attempt is not None:
                 if done.error is None and len(done.ran) + len(done.skipped) < len(STEPS):
                     done.error = KeyboardInterrupt()  # doit was stopped between its steps
+                claim_done(bake, done)
                 self.attempt.end()
                 self.attempt = None
                 self.held.close()
