@@ -30,6 +30,7 @@ try:
 except OverbrainerError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(e.exit_code)
+BAKE.take_over = get_var("force", "") not in ("", "0")  # force=1: take over another plan file's folder
 BAKE.folder.root.mkdir(parents=True, exist_ok=True)
 set_aside_damaged_db(BAKE.folder)  # unreadable: rebuilt from the stamps
 DONE = Outcome()

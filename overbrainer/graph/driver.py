@@ -23,7 +23,7 @@ from .compile import compile_bake
 from .tasks import Outcome
 
 __all__ = ["Outcome", "run_bake", "exit_code", "dry_run", "would_run", "doit_config", "memory_estimate", "outcome", "AlreadyRunning",
-           "compile_bake", "set_aside_damaged_db", "claim_done"]
+           "compile_bake", "set_aside_damaged_db", "claim_done", "check_owner", "owner_fields"]
 
 
 def doit_config(bake: Bake, done: Outcome, tell_errors: bool = False, record: bool = False) -> dict:
@@ -56,11 +56,13 @@ def run_bake(bake: Bake, task: str | list[str] = "train", done: Outcome | None =
     from .tasks import doit_tasks
 
     folder = bake.folder
+    check_owner(bake)
     folder.root.mkdir(parents=True, exist_ok=True)
-    if bake.plan_bytes is not None:  # a folder new for this plan: remembered from now on
-        remember(bake.plan_path, bake.plan_bytes, bake.plan, folder.root)
     done = done if done is not None else Outcome()
     with _one_bake(folder):
+        check_owner(bake)  # again under the lock: a bake of another plan may have begun since
+        if bake.plan_bytes is not None:  # a folder new for this plan: remembered from now on
+            remember(bake.plan_path, bake.plan_bytes, bake.plan, folder.root)
         folder.stop_request.unlink(missing_ok=True)  # a stop asked of an earlier bake
         bake.checked.clear()
         set_aside_damaged_db(folder)
@@ -79,6 +81,51 @@ def run_bake(bake: Bake, task: str | list[str] = "train", done: Outcome | None =
         finally:
             attempt.end()
     return done
+
+
+def owner_fields(bake: Bake) -> dict:
+    """What run.json records of the plan file that owns its folder: its resolved path, and
+    the hash of its bytes (a plan file moved or copied with the same content is the same
+    plan)."""
+    from ..hashing import hash_bytes
+
+    fields = {"plan_file": str(bake.plan_path.resolve())}
+    if bake.plan_bytes is not None:
+        fields["plan_hash"] = hash_bytes(bake.plan_bytes)
+    return fields
+
+
+def check_owner(bake: Bake) -> None:
+    """Refuse to bake into a run folder that another plan file owns: two plans with one name
+    would replace each other's outputs and retrain each time. The owner is the plan file
+    run.json records (or, before any whole bake, the one plan.json was resolved from). The
+    same file, edited, is the same plan; so is a file with the owner's bytes (a plan moved,
+    or a checkout elsewhere), and so is any file once the owner is gone. `bake.take_over`
+    (``--force``) makes this plan the owner."""
+    import json
+
+    folder = bake.folder
+    if bake.take_over or not folder.root.is_dir():
+        return
+    recorded = journal.read(folder)
+    owner, owner_hash = recorded.get("plan_file"), recorded.get("plan_hash")
+    if not isinstance(owner, str):
+        try:
+            owner = json.loads(folder.plan_json.read_text())["resolved"]["plan_file"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        owner_hash = None
+    if not isinstance(owner, str):
+        return
+    mine = owner_fields(bake)
+    if Path(owner).resolve() == Path(mine["plan_file"]) or (owner_hash and owner_hash == mine.get("plan_hash")):
+        return
+    if not Path(owner).is_file():
+        return  # the plan that baked it is gone: nothing of another live plan is replaced
+    raise RunStateError(
+        f"{bake.shown(folder.root)} belongs to {bake.shown(Path(owner))}, a different plan file with the same name "
+        f"({folder.name!r}) as {bake.shown(bake.plan_path)}; give one of them another \"name\", or bake with "
+        f"--force to take the folder over")
 
 
 def set_aside_damaged_db(folder: RunFolder) -> None:
@@ -137,7 +184,7 @@ class _Attempt:
         self.bake, self.done, folder = bake, done, bake.folder
         self.before = journal.read(folder).get("attempts", [])
         self.attempt = {"start": now(), "pid": os.getpid()}
-        journal.update(folder, state="starting", where="here", plan_file=str(bake.plan_path),
+        journal.update(folder, state="starting", where="here", **owner_fields(bake),
                        process=journal.this_process(), reason=None, result=None,
                        attempts=[*self.before, self.attempt], task=None, stages=[], step=None, steps=None)
         self.untold, bake.tell = bake.tell, _teller(folder)
@@ -277,6 +324,11 @@ def _reporter(bake: Bake, done: Outcome, tell_errors: bool, record: bool):
                 return  # a part of the graph: run.json is the whole bake's
             self.held = ExitStack()
             self.held.enter_context(_one_bake(bake.folder))  # AlreadyRunning: nothing touched
+            try:
+                check_owner(bake)
+            except RunStateError:
+                self.held.close()
+                raise
             bake.folder.stop_request.unlink(missing_ok=True)  # a stop asked of an earlier bake
             self.attempt = _Attempt(bake, done)
 

@@ -295,8 +295,9 @@ class Started:
 def start_unless_done(bake) -> Started:
     """A compiled bake's run, started in a process of its own unless one is running already
     or every step is up to date: what ``overbrainer bake`` and ``overbrainer.bake()`` do."""
-    from ..graph.driver import dry_run
+    from ..graph.driver import check_owner, dry_run
 
+    check_owner(bake)  # another plan file's folder: refused before anything is followed or started
     run = Run(bake.folder.root)
     if run.state in ACTIVE:
         return Started(run, "running")
