@@ -242,6 +242,10 @@ def outcome(error: BaseException | None) -> tuple[str, str | None, str | None]:
         return "failed", str(error), "input"
     if isinstance(error, KeyboardInterrupt):
         return "failed", "interrupted", "run"
+    if isinstance(error, OSError) and error.filename is not None:  # a folder that cannot be written, a full disk
+        from ..errors import FileProblem
+
+        return "failed", str(FileProblem.from_os_error(error)), "input"
     return "failed", str(error) or type(error).__name__, "run"
 
 

@@ -92,7 +92,10 @@ def _in_progress(bake: Bake) -> str | None:
         return None
     from .. import journal
 
-    status = journal.status(bake.folder)  # a process that died is not shown as running
+    try:
+        status = journal.status(bake.folder)  # a process that died is not shown as running
+    except journal.Damaged:
+        return None  # shown by the stamps alone; `overbrainer status` says what is wrong
     if status.get("state") not in journal.ACTIVE:
         return None
     if status.get("task") in DEPS:
