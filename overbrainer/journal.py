@@ -34,7 +34,7 @@ from .folder import RunFolder
 from .fsio import write_atomic
 
 __all__ = ["STATES", "ACTIVE", "FINAL", "DIED", "Damaged", "read", "load", "status", "update", "this_process", "alive",
-           "problem"]
+           "problem", "no_run"]
 
 STATES = ("planned", "starting", "queued", "running", "stopping", "stopped", "done", "failed")
 ACTIVE = ("starting", "queued", "running", "stopping")
@@ -103,18 +103,23 @@ def problem(data) -> str | None:
     return None
 
 
+def no_run(folder: RunFolder) -> RunStateError | None:
+    """The error for a folder that is no run (neither run.json nor plan.json), or None."""
+    if folder.run_json.exists() or folder.plan_json.exists():
+        return None
+    return RunStateError(f"{folder.root} is not a run folder (no run.json or plan.json); give a run folder "
+                         "(runs/NAME), a run name or its plan file")
+
+
 _TYPE_WORDS = {str: "a string", int: "a whole number", dict: "an object", list: "a list", type(None): "null"}
 
 
 def status(folder: RunFolder) -> dict:
     """run.json, checked (`load`), with a process that ended without saying so shown as
-    such; a folder with neither run.json nor plan.json is no run (`RunStateError`)."""
+    such; "unknown" for a folder with neither run.json nor plan.json (`no_run` says so)."""
     data = load(folder)
     if not data:
-        if not folder.plan_json.exists():
-            raise RunStateError(f"{folder.root} is not a run folder (no run.json or plan.json); give a run folder "
-                                "(runs/NAME), a run name or its plan file")
-        data = {"state": "planned"}
+        data = {"state": "planned" if folder.plan_json.exists() else "unknown"}
     if data.get("state") in ACTIVE and not alive(data.get("process")):
         data = {**data, "state": "failed", "reason": DIED}
     return data

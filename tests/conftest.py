@@ -21,6 +21,8 @@ from tiny import make_tiny_llama  # noqa: E402
 
 def pytest_addoption(parser):
     parser.addoption("--kill-matrix", action="store_true", help="run every case of tests/reliability/")
+    parser.addoption("--tamper-matrix", action="store_true",
+                     help="run every case of tests/reliability/test_tamper_matrix.py")
 
 
 def pytest_collection_modifyitems(config, items):

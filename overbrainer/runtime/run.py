@@ -188,6 +188,9 @@ class Run:
         """Wait for the end; show progress; return the model."""
         from .follow import follow
 
+        error = journal.no_run(self.folder)
+        if error is not None:
+            raise error
         state = follow(self, poll=poll, show=show)
         if state == "done":
             return self.baked()
