@@ -77,7 +77,7 @@ def load(folder: RunFolder) -> dict:
 
 _TYPES = {
     "state": (str,), "where": (str,), "plan_file": (str,), "plan_hash": (str,), "reason": (str, type(None)),
-    "task": (str, type(None)), "step": (int, type(None)), "steps": (int, type(None)), "slurm_job": (str, type(None)),
+    "task": (str, type(None)), "step": (int, type(None)), "steps": (int, type(None)), "slurm_job": (str, int, type(None)),
     "process": (dict, type(None)), "result": (dict, type(None)), "attempts": (list,), "stages": (list,),
     "trackers": (dict,),
 }
