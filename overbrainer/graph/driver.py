@@ -313,6 +313,7 @@ def _reporter(bake: Bake, done: Outcome, tell_errors: bool, record: bool):
     """A doit reporter that speaks in steps and leaves error messages to the caller. With
     `record` (``doit train plan=...``, no `run_bake` around it), a run of the whole graph
     takes the run folder's lock and keeps run.json as `run_bake` does."""
+    import sys
     from contextlib import ExitStack
 
     from doit.reporter import ConsoleReporter
@@ -330,9 +331,10 @@ def _reporter(bake: Bake, done: Outcome, tell_errors: bool, record: bool):
             self.held.enter_context(_one_bake(bake.folder))  # AlreadyRunning: nothing touched
             try:
                 check_owner(bake)
-            except RunStateError:
+            except RunStateError as e:  # doit would show it as its own traceback: one line, exit 2
                 self.held.close()
-                raise
+                sys.stderr.write(f"error: {e}\n")
+                sys.exit(e.exit_code)
             bake.folder.stop_request.unlink(missing_ok=True)  # a stop asked of an earlier bake
             self.attempt = _Attempt(bake, done)
 
