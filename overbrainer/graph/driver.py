@@ -243,9 +243,13 @@ def outcome(error: BaseException | None) -> tuple[str, str | None, str | None]:
     if isinstance(error, KeyboardInterrupt):
         return "failed", "interrupted", "run"
     if isinstance(error, OSError) and error.filename is not None:  # a folder that cannot be written, a full disk
+        import errno
+
         from ..errors import FileProblem
 
-        return "failed", str(FileProblem.from_os_error(error)), "input"
+        # a path the user must fix is bad input (2); a disk that filled up is a failed run (1)
+        theirs = error.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR)
+        return "failed", str(FileProblem.from_os_error(error)), "input" if theirs else "run"
     return "failed", str(error) or type(error).__name__, "run"
 
 
