@@ -62,11 +62,20 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, fault: str | None =
     (``faults.py``)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+    except OSError as e:  # a full disk: no torn temp file left, and the error names the file
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if e.filename is None:
+            e.filename = str(path)
+        raise
     if fault:
         faults.point(fault)
     os.replace(tmp, path)

@@ -182,7 +182,10 @@ class Follower:
         new = [p for _, p in done if p.name not in self.checkpoints]
         if new:
             self.checkpoints.update(p.name for p in new)
-            draw_loss(self.bake.folder)
+            try:
+                draw_loss(self.bake.folder)
+            except OSError as e:  # a picture: a full disk must not end the run the trainer saves
+                self.bake.say(f"warning: loss.png not drawn ({e.strerror or e}); training goes on")
             for path in new:
                 if self.mirror:
                     self.mirror.checkpoint(path)
