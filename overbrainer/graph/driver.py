@@ -98,9 +98,10 @@ def owner_fields(bake: Bake) -> dict:
 def check_owner(bake: Bake) -> None:
     """Refuse to bake into a run folder that another plan file owns: two plans with one name
     would replace each other's outputs and retrain each time. The owner is the plan file
-    run.json records (or, before any whole bake, the one plan.json was resolved from). The
-    same file, edited, is the same plan; so is a file with the owner's bytes (a plan moved,
-    or a checkout elsewhere), and so is any file once the owner is gone. `bake.take_over`
+    run.json records (or, before any whole bake or when run.json is damaged, the one plan.json
+    was resolved from). The same file, edited, is the same plan; so is a file with the
+    owner's bytes (a plan moved, or a checkout elsewhere) or, without run.json, with the
+    settings plan.json holds; and so is any file once the owner is gone. `bake.take_over`
     (``--force``) makes this plan the owner."""
     import json
 
@@ -109,11 +110,14 @@ def check_owner(bake: Bake) -> None:
         return
     recorded = journal.read(folder)
     owner, owner_hash = recorded.get("plan_file"), recorded.get("plan_hash")
-    if not isinstance(owner, str):
+    if not isinstance(owner, str):  # no run.json, or a damaged one: plan.json says what it was resolved from
         try:
-            owner = json.loads(folder.plan_json.read_text())["resolved"]["plan_file"]
-        except (OSError, ValueError, KeyError, TypeError):
+            resolved = json.loads(folder.plan_json.read_text())
+            owner = resolved.pop("resolved")["plan_file"]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return
+        if resolved == bake.plan.model_dump(mode="json"):
+            return  # the same settings: the same plan, wherever its file is now
         owner_hash = None
     if not isinstance(owner, str):
         return
