@@ -23,14 +23,16 @@ if not PLAN:
           "lists its steps)", file=sys.stderr)
     sys.exit(2)
 
-from overbrainer.graph.driver import Outcome, compile_bake, doit_config  # noqa: E402
+from overbrainer.graph.driver import Outcome, compile_bake, doit_config, set_aside_damaged_db  # noqa: E402
 
 try:
     BAKE = compile_bake(PLAN, say=lambda message: print(message, flush=True))
 except OverbrainerError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(e.exit_code)
+BAKE.take_over = get_var("force", "") not in ("", "0")  # force=1: take over another plan file's folder
 BAKE.folder.root.mkdir(parents=True, exist_ok=True)
+set_aside_damaged_db(BAKE.folder)  # unreadable: rebuilt from the stamps
 DONE = Outcome()
 # run.json, the lock and the stop request kept as `overbrainer bake --foreground` keeps them
 DOIT_CONFIG = doit_config(BAKE, DONE, tell_errors=True, record=True)

@@ -112,8 +112,16 @@ def cache_root() -> Path:
 
 
 def default_name(path: Path) -> str:
-    """A plan without a name is named after its file."""
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", path.stem).strip("-._") or "plan"
+    """A plan without a name is named after its file. A file name that is not a run name
+    as it stands (spaces, non-ASCII letters) gets a short hash of itself after the letters
+    kept, so that ``a b.json`` and ``a-b.json``, or ``ü.json`` and ``é.json``, never share
+    a run folder."""
+    import hashlib
+
+    stem = path.stem
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", stem).strip("-._") or "plan"
+    if name != stem:
+        name = f"{name[:92]}-{hashlib.blake2s(stem.encode(), digest_size=3).hexdigest()}"
     return name[:100]
 
 

@@ -29,10 +29,12 @@ import json
 import os
 import socket
 
+from .errors import RunStateError
 from .folder import RunFolder
 from .fsio import write_atomic
 
-__all__ = ["STATES", "ACTIVE", "FINAL", "DIED", "read", "status", "update", "this_process", "alive"]
+__all__ = ["STATES", "ACTIVE", "FINAL", "DIED", "Damaged", "read", "load", "status", "update", "this_process", "alive",
+           "problem", "no_run"]
 
 STATES = ("planned", "starting", "queued", "running", "stopping", "stopped", "done", "failed")
 ACTIVE = ("starting", "queued", "running", "stopping")
@@ -40,18 +42,82 @@ FINAL = ("stopped", "done", "failed")
 DIED = "process ended without saying so"
 
 
+class Damaged(RunStateError):
+    """run.json cannot be read, or holds what no overbrainer wrote."""
+
+
 def read(folder: RunFolder) -> dict:
-    """run.json as it is on disk; {} when there is none (or it cannot be read)."""
+    """run.json as it is on disk, for the one process that writes it next: {} when there is
+    none, or when it is damaged (the writer makes it whole again)."""
     try:
-        data = json.loads(folder.run_json.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+        return load(folder)
+    except Damaged:
         return {}
 
 
+def load(folder: RunFolder) -> dict:
+    """run.json, checked (`problem`): {} when there is none; `Damaged` (one line, with the
+    repair) when it cannot be read or a field has the wrong type."""
+    try:
+        text = folder.run_json.read_bytes()
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        raise Damaged(f"{folder.run_json} cannot be read ({e.strerror or e}); fix its permissions") from None
+    try:
+        data = json.loads(text)
+        why = problem(data)
+    except (ValueError, RecursionError) as e:
+        why = f"not JSON ({str(e).split(':')[0]})" if text.strip() else "empty"
+    if why:
+        raise Damaged(f"{folder.run_json} is damaged: {why}; `overbrainer status --repair {folder.root}` "
+                      "rebuilds it from the stamps and checkpoints")
+    return data
+
+
+_TYPES = {
+    "state": (str,), "where": (str,), "plan_file": (str,), "plan_hash": (str,), "reason": (str, type(None)),
+    "task": (str, type(None)), "step": (int, type(None)), "steps": (int, type(None)), "slurm_job": (str, int, type(None)),
+    "process": (dict, type(None)), "result": (dict, type(None)), "attempts": (list,), "stages": (list,),
+    "trackers": (dict,),
+}
+
+
+def problem(data) -> str | None:
+    """What is wrong with run.json's content `data`, in a few words; None when nothing."""
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not an object"
+    for key, types in _TYPES.items():
+        if key in data and (not isinstance(data[key], types) or isinstance(data[key], bool)):
+            return f'"{key}" is {json.dumps(data[key])[:40]}, not {" or ".join(_TYPE_WORDS[t] for t in types)}'
+    if "state" not in data:
+        return '"state" is missing'
+    if data["state"] not in STATES:
+        return f'"state" is {json.dumps(data["state"])[:40]}, not one of {", ".join(STATES)}'
+    process = data.get("process")
+    if process is not None and not (isinstance(process.get("pid"), int) and
+                                    isinstance(process.get("create_time"), (int, float))):
+        return '"process" lacks a pid and create_time'
+    if not all(isinstance(a, dict) for a in data.get("attempts", [])):
+        return '"attempts" holds something else than objects'
+    return None
+
+
+def no_run(folder: RunFolder) -> RunStateError | None:
+    """The error for a folder that is no run (neither run.json nor plan.json), or None."""
+    if folder.run_json.exists() or folder.plan_json.exists():
+        return None
+    return RunStateError(f"{folder.root} is not a run folder (no run.json or plan.json); give a run folder "
+                         "(runs/NAME), a run name or its plan file")
+
+
+_TYPE_WORDS = {str: "a string", int: "a whole number", dict: "an object", list: "a list", type(None): "null"}
+
+
 def status(folder: RunFolder) -> dict:
-    """run.json, with a process that ended without saying so shown as such."""
-    data = read(folder)
+    """run.json, checked (`load`), with a process that ended without saying so shown as
+    such; "unknown" for a folder with neither run.json nor plan.json (`no_run` says so)."""
+    data = load(folder)
     if not data:
         data = {"state": "planned" if folder.plan_json.exists() else "unknown"}
     if data.get("state") in ACTIVE and not alive(data.get("process")):

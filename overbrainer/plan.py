@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import json.scanner
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -47,7 +48,14 @@ TEMPLATE_FAMILIES = ("chatml", "llama3", "mistral", "gemma", "phi3")
 
 
 class _Settings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: true is not 1, "3" is not 3 (a plan is JSON, validated as JSON: 3 is still 3.0);
+    # NaN and Infinity are not numbers a setting can take
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+# what torch.Generator, numpy and Python's random take as a seed, with room for the
+# trainer's seed * 1_000_003 + epoch
+MAX_SEED = 2**32 - 1
 
 
 class SplitSettings(_Settings):
@@ -57,7 +65,7 @@ class SplitSettings(_Settings):
         default=0.1,
         description="A fraction of the conversations (0.1), or a count of them (20).",
     )
-    seed: int = Field(default=0, description="Mixed into each conversation's hash to pick the split.")
+    seed: int = Field(default=0, ge=0, le=MAX_SEED, description="Mixed into each conversation's hash to pick the split.")
 
     @field_validator("validation", mode="before")
     @classmethod
@@ -179,7 +187,7 @@ class TrainSettings(_Settings):
     samples: SampleSettings | None = Field(
         default=None, description="Greedy answers to prompts at every `every` steps, in samples.jsonl and the trackers.",
     )
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
     processes: int = Field(
         default=1, ge=1, le=1024,
         description="Training processes on each machine (torchrun; DDP with gloo on CPU, NCCL on GPU: one per GPU).",
@@ -425,18 +433,57 @@ def load_plan(path: str | Path, raw: bytes | None = None) -> Plan:
         line = raw[: e.start].count(b"\n") + 1
         raise PlanError(f"{shown}:{line}", ["is not UTF-8 text; save the plan as UTF-8"]) from None
     try:
-        data = json.loads(text)
+        data = _Decoder().decode(text)
+    except _DuplicateKey as e:
+        raise PlanError(f"{shown}:{e.second}", [f"{e.key!r} is given twice in one object (lines {e.first} and "
+                                                f"{e.second}); keep one"]) from None
     except json.JSONDecodeError as e:
         raise PlanError(f"{shown}:{e.lineno}", [f"invalid JSON ({e.msg}, column {e.colno}); fix the syntax"]) from None
     except RecursionError:
         raise PlanError(shown, ["is nested too deeply to be a plan; a plan is a few levels deep"]) from None
     if not isinstance(data, dict):
-        raise PlanError(shown, [f"must be a JSON object with name, base, data, ...; it is a {type(data).__name__}"])
+        kind = {list: "an array", str: "a string", bool: "true or false", type(None): "null"}.get(type(data), "a number")
+        raise PlanError(shown, [f"must be a JSON object with name, base, data, ...; it is {kind}"])
     data.setdefault("name", default_name(path))
     try:
-        return Plan.model_validate(data)
+        # validated as JSON, strictly: a setting's type as JSON writes it (no "3" for 3)
+        return Plan.model_validate_json(json.dumps(data), strict=True)
     except ValidationError as e:
         raise PlanError(shown, _problems(e, text, shown)) from None
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str, first: int, second: int):
+        self.key, self.first, self.second = key, first, second
+        super().__init__(key)
+
+
+class _Decoder(json.JSONDecoder):
+    """JSON that refuses a key given twice in one object (Python's json keeps the last one
+    without a word), with the lines of both. It takes json's pure-Python scanner, whose
+    objects it can watch being read: a plan is small."""
+
+    def __init__(self):
+        super().__init__()
+        self.parse_object = self._object
+        self.scan_once = json.scanner.py_make_scanner(self)
+
+    @staticmethod
+    def _object(s_and_end, strict, scan_once, object_hook, object_pairs_hook, memo=None, *rest):
+        starts: list[int] = []
+
+        def watched(string: str, index: int):  # called once per value of this object, where it starts
+            starts.append(index)
+            return scan_once(string, index)
+
+        pairs, end = json.decoder.JSONObject(s_and_end, strict, watched, object_hook, lambda p: p, memo, *rest)
+        text, seen = s_and_end[0], {}
+        for (key, _), start in zip(pairs, starts):
+            line = text.count("\n", 0, start) + 1
+            if key in seen:
+                raise _DuplicateKey(key, seen[key], line)
+            seen[key] = line
+        return dict(pairs), end
 
 
 def _problems(error: ValidationError, text: str, shown: str) -> list[str]:
@@ -463,6 +510,15 @@ def _field_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
             paths.extend(_field_paths(annotation, f"{full}."))
     return paths
 
+
+# the type errors of strict validation, in words: `true` is not 1, "3" is not 3
+_STRICT_TYPES = {
+    "int_type": "a whole number (write it without quotes or a decimal point)",
+    "int_from_float": "a whole number (write it without a decimal point)",
+    "float_type": "a number (write it without quotes)",
+    "bool_type": "true or false (without quotes)",
+    "string_type": "a string (in quotes)",
+}
 
 _FIXES = {
     "missing": "add it",
@@ -500,7 +556,15 @@ def _describe(err: dict, text: str, shown: str) -> str:
         if message.startswith(prefix):
             message = replacement + message[len(prefix):]
     if kind == "string_pattern_mismatch" and loc == ["name"]:
-        message = "must be letters, digits, '.', '_' or '-' (it names the run folder)"
+        given = str(err.get("input"))
+        message = "must be letters, digits, '.', '_' or '-', at most 100 characters (it names the run folder)"
+        if len(given) > 100:
+            message = f"is {len(given)} characters; {message}"
+    if kind == "finite_number":
+        message = f"is {json.dumps(err.get('input'))}, not a finite number; give a number"
+    if kind in _STRICT_TYPES and isinstance(err.get("input"), (bool, str, int, float)):
+        given = json.dumps(err["input"], ensure_ascii=False)
+        message = f"is {given if len(given) <= 40 else given[:37] + '...'}, not {_STRICT_TYPES[kind]}"
     if kind == "literal_error" and loc[:2] == ["bake", "formats"]:
         message = f"unknown format {err.get('input')!r}; supported: {', '.join(BAKE_FORMATS)}"
     if kind == "literal_error" and loc == ["train", "trainer"]:

@@ -21,6 +21,8 @@ from tiny import make_tiny_llama  # noqa: E402
 
 def pytest_addoption(parser):
     parser.addoption("--kill-matrix", action="store_true", help="run every case of tests/reliability/")
+    parser.addoption("--tamper-matrix", action="store_true",
+                     help="run every case of tests/reliability/test_tamper_matrix.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -114,6 +116,11 @@ def baked_copy(tmp_path, references):
         root = tmp_path / "project"
         shutil.copytree(source.root, root, symlinks=True, ignore=shutil.ignore_patterns("runs"))
         shutil.copytree(source.root / "runs", tmp_path / "runs")
+        # restored where it was made, as a CI cache is: the copied plan file owns the folder
+        run_json = tmp_path / "runs" / "tiny" / "run.json"
+        record = json.loads(run_json.read_text())
+        record["plan_file"] = str((root / "plan.json").resolve())
+        run_json.write_text(json.dumps(record, indent=1) + "\n")
         return Project(root, json.loads((root / "plan.json").read_text()), write=False)
 
     return make

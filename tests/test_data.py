@@ -112,7 +112,7 @@ ROW_ERRORS = [
         "content_not_string",
         '{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}, '
         '{"role": "assistant", "content": "a"}]}',
-        "message 1's 'content' is a array, not a string",
+        "message 1's 'content' is an array, not a string",
     ),
     (
         "content_null",

@@ -4,7 +4,6 @@ left behind that a later run could take for finished."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from helpers import cli
@@ -101,9 +100,19 @@ def test_non_utf8_data(project):
 
 
 def test_training_failure_is_a_failed_run_with_the_log(project, tmp_path):
-    # a base model whose weights are not what its index says: training itself fails
+    # a base model whose weights are not the shapes its config says (a whole, valid
+    # safetensors file, which the base step takes): training itself fails
+    import struct
+
     weights = project.root / "tiny" / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[: os.path.getsize(weights) // 2])
+    raw = weights.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k, v in header.items() if k != "__metadata__" and len(v["shape"]) == 2
+                and v["shape"][0] != v["shape"][1])
+    header[name]["shape"] = header[name]["shape"][::-1]
+    text = json.dumps(header).encode()
+    weights.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
     proc = cli("bake", str(project.plan_path), check=1)
     first = one_clear_line(proc, "training failed", "log.txt")
     assert first.startswith("error: training failed")

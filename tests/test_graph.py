@@ -342,7 +342,9 @@ def test_doit_train_keeps_run_json_and_clears_a_stop(finished, tmp_path):
     before = len(run.status["attempts"])
     (folder / "stop").write_text("asked\n")  # what `overbrainer stop` leaves behind
     edited = sibling(finished, tmp_path, learning_rate=0.001)
-    proc = doit("train", f"plan={edited}")
+    # another plan file named "tiny": it takes the folder over (force=1, as bake --force)
+    assert "--force" in doit("train", f"plan={edited}", check=2).stderr
+    proc = doit("train", f"plan={edited}", "force=1")
     assert "stopped before" not in proc.stdout + proc.stderr
     status = run.status
     assert status["state"] == "done" and len(status["attempts"]) == before + 1

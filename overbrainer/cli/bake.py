@@ -24,6 +24,8 @@ def add_parsers(sub) -> None:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--detach", action="store_true", help="start the run in its own process and return at once")
     mode.add_argument("--foreground", action="store_true", help="run in this process (what CI and doit want)")
+    p.add_argument("--force", action="store_true",
+                   help="bake into a run folder that another plan file with the same name owns, and own it from now on")
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     # the bake as the process that launched this one compiled it (JSON on stdin)
     p.add_argument("--compiled", help=argparse.SUPPRESS)
@@ -32,6 +34,7 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("split", help="the split step alone: examples.parquet, to look at before training")
     p.add_argument("plan", help="the plan file, e.g. plans/demo.json")
     p.add_argument("--json", action="store_true", help="one JSON object: folder, rows, train, validation")
+    p.add_argument("--force", action="store_true", help="split into a run folder another plan file owns")
     p.set_defaults(func=cmd_split)
 
     p = sub.add_parser("decay", help="a finished model from a stable-phase checkpoint: a decay of its own, "
@@ -54,6 +57,7 @@ def cmd_bake(args) -> int:
         bake = Bake.from_handoff(json.load(sys.stdin), **({"say": say} if say else {}))
     else:
         bake = compile_bake(args.plan, runs=args.runs, say=say)
+        bake.take_over = args.force
     report = {"folder": str(bake.folder.root), "plan": bake.plan.name}
     if args.check:
         return _bake_check(bake, report, args.json, out)
@@ -84,6 +88,7 @@ def cmd_split(args) -> int:
 
     out = sys.stderr if args.json else sys.stdout
     bake = compile_bake(args.plan, runs=args.runs, say=lambda message: print(message, file=out, flush=True))
+    bake.take_over = args.force
     done = run_bake(bake, task=["train:resolve", "train:split"])  # plan.json too: `status` shows it planned
     if done.error is not None:
         raise done.error

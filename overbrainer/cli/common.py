@@ -44,7 +44,13 @@ def find_run(value: str, runs: str | None):
         root = runs_root(runs)
         return Run(root / load(path.absolute(), root)[0].name)
     if path.is_dir():
-        return Run(path)
+        from ..journal import no_run
+
+        run = Run(path)
+        error = no_run(run.folder)
+        if error is not None:
+            raise error
+        return run
     root = runs_root(runs)
     if "/" not in value and (root / value).is_dir():
         return Run(root / value)

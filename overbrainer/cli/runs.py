@@ -15,6 +15,8 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("status", help="a run's state and progress (all runs without RUN)")
     p.add_argument("run", nargs="?")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--repair", action="store_true",
+                   help="rebuild a damaged run.json from the run folder's stamps and checkpoints")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("runs", help="every run, a line each")
@@ -74,13 +76,24 @@ def add_parsers(sub) -> None:
 
 
 def cmd_status(args) -> int:
+    from ..journal import Damaged
     from ..runtime.follow import describe
     from ..runtime.run import runs
 
     targets = [find_run(args.run, args.runs)] if args.run else runs(args.runs)
+    if getattr(args, "repair", False):
+        for run in targets:
+            repaired = run.repair()
+            said = "run.json is whole; nothing to repair" if repaired is None else f"run.json rebuilt: {repaired['state']}"
+            print(f"{shown(run.folder.root)}: {said}")
     rows = []
     for run in targets:
-        status, progress = run.status, run.progress()
+        try:
+            status, progress = run.status, run.progress()
+        except Damaged as e:
+            if args.run:
+                raise
+            status, progress = {"state": "damaged", "reason": str(e)}, {"state": "damaged"}
         rows.append({**status, "folder": str(run.folder.root), "progress": progress, "branches": run.branches()})
     if args.json:
         print(json.dumps(rows[0] if args.run else rows, indent=1))

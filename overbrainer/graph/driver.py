@@ -23,7 +23,7 @@ from .compile import compile_bake
 from .tasks import Outcome
 
 __all__ = ["Outcome", "run_bake", "exit_code", "dry_run", "would_run", "doit_config", "memory_estimate", "outcome", "AlreadyRunning",
-           "compile_bake"]
+           "compile_bake", "set_aside_damaged_db", "claim_done", "check_owner", "owner_fields"]
 
 
 def doit_config(bake: Bake, done: Outcome, tell_errors: bool = False, record: bool = False) -> dict:
@@ -56,13 +56,16 @@ def run_bake(bake: Bake, task: str | list[str] = "train", done: Outcome | None =
     from .tasks import doit_tasks
 
     folder = bake.folder
+    check_owner(bake)
     folder.root.mkdir(parents=True, exist_ok=True)
-    if bake.plan_bytes is not None:  # a folder new for this plan: remembered from now on
-        remember(bake.plan_path, bake.plan_bytes, bake.plan, folder.root)
     done = done if done is not None else Outcome()
     with _one_bake(folder):
+        check_owner(bake)  # again under the lock: a bake of another plan may have begun since
+        if bake.plan_bytes is not None:  # a folder new for this plan: remembered from now on
+            remember(bake.plan_path, bake.plan_bytes, bake.plan, folder.root)
         folder.stop_request.unlink(missing_ok=True)  # a stop asked of an earlier bake
         bake.checked.clear()
+        set_aside_damaged_db(folder)
         doit = DoitMain(ModuleTaskLoader({"task_train": lambda: doit_tasks(bake, done), "DOIT_CONFIG": doit_config(bake, done)}))
         argv = ["run", *([task] if isinstance(task, str) else task)]
         if task != "train":
@@ -71,12 +74,108 @@ def run_bake(bake: Bake, task: str | list[str] = "train", done: Outcome | None =
         attempt = _Attempt(bake, done)
         try:
             done.code = doit.run(argv)
+            claim_done(bake, done)
         except BaseException as e:  # Ctrl-C twice, or a bug: the record must say so
             done.error = done.error or e
             raise
         finally:
             attempt.end()
     return done
+
+
+def owner_fields(bake: Bake) -> dict:
+    """What run.json records of the plan file that owns its folder: its resolved path, and
+    the hash of its bytes (a plan file moved or copied with the same content is the same
+    plan)."""
+    from ..hashing import hash_bytes
+
+    fields = {"plan_file": str(bake.plan_path.resolve())}
+    if bake.plan_bytes is not None:
+        fields["plan_hash"] = hash_bytes(bake.plan_bytes)
+    return fields
+
+
+def check_owner(bake: Bake) -> None:
+    """Refuse to bake into a run folder that another plan file owns: two plans with one name
+    would replace each other's outputs and retrain each time. The owner is the plan file
+    run.json records (or, before any whole bake or when run.json is damaged, the one plan.json
+    was resolved from). The same file, edited, is the same plan; so is a file with the
+    owner's bytes (a plan moved, or a checkout elsewhere) or, without run.json, with the
+    settings plan.json holds; and so is any file once the owner is gone. `bake.take_over`
+    (``--force``) makes this plan the owner."""
+    import json
+
+    folder = bake.folder
+    if bake.take_over or not folder.root.is_dir():
+        return
+    recorded = journal.read(folder)
+    owner, owner_hash = recorded.get("plan_file"), recorded.get("plan_hash")
+    if not isinstance(owner, str):  # no run.json, or a damaged one: plan.json says what it was resolved from
+        try:
+            resolved = json.loads(folder.plan_json.read_text())
+            owner = resolved.pop("resolved")["plan_file"]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return
+        if resolved == bake.plan.model_dump(mode="json"):
+            return  # the same settings: the same plan, wherever its file is now
+        owner_hash = None
+    if not isinstance(owner, str):
+        return
+    mine = owner_fields(bake)
+    if Path(owner).resolve() == Path(mine["plan_file"]) or (owner_hash and owner_hash == mine.get("plan_hash")):
+        return
+    if not Path(owner).is_file():
+        return  # the plan that baked it is gone: nothing of another live plan is replaced
+    raise RunStateError(
+        f"{bake.shown(folder.root)} belongs to {bake.shown(Path(owner))}, a different plan file with the same name "
+        f"({folder.name!r}) as {bake.shown(bake.plan_path)}; give one of them another \"name\", or bake with "
+        f"--force to take the folder over")
+
+
+def set_aside_damaged_db(folder: RunFolder) -> None:
+    """doit's database (``.doit.db``) that sqlite cannot read is moved aside, with one
+    warning line on stderr, and doit starts a new one: the stamps, not doit's records, say
+    what is done (`_UpToDate`), so nothing is lost but a few stats."""
+    import sqlite3
+    import sys
+
+    db = folder.doit_db
+    if not db.is_file():
+        return
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+            con.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        con.close()
+        return
+    except sqlite3.Error as e:
+        problem = str(e)
+    aside = db.with_name(db.name + ".damaged")
+    os.replace(db, aside)
+    print(f"warning: {db} is damaged ({problem}); set aside as {aside.name} and rebuilt from the stamps",
+          file=sys.stderr, flush=True)
+
+
+def claim_done(bake: Bake, done: Outcome) -> None:
+    """The last word of a bake that is about to say "done": doit itself must have ended
+    well, and every step's stamp must be there with its outputs as the stamp lists them.
+    Anything else is an error on `done`, never a success over a missing target."""
+    from ..errors import RunFailed
+    from ..stamps import read_stamp, verify
+    from .tasks import STEPS
+
+    if done.error is not None or done.signalled is not None:
+        return
+    if done.code not in (0, None):
+        done.error = RunFailed(f"{bake.folder.root}: doit ended with exit code {done.code} before every step was "
+                               f"checked; see the lines above, then bake again")
+        return
+    for module in STEPS:
+        stamp = read_stamp(bake.folder.stamp(module.NAME))
+        problem = "it has no stamp" if stamp is None else verify(stamp, bake.hashes, bake.folder.root)
+        if problem:
+            done.error = RunFailed(f"{bake.folder.root}: the bake ended but {module.NAME} is not done ({problem}); "
+                                   f"bake again")
+            return
 
 
 class _Attempt:
@@ -89,7 +188,7 @@ class _Attempt:
         self.bake, self.done, folder = bake, done, bake.folder
         self.before = journal.read(folder).get("attempts", [])
         self.attempt = {"start": now(), "pid": os.getpid()}
-        journal.update(folder, state="starting", where="here", plan_file=str(bake.plan_path),
+        journal.update(folder, state="starting", where="here", **owner_fields(bake),
                        process=journal.this_process(), reason=None, result=None,
                        attempts=[*self.before, self.attempt], task=None, stages=[], step=None, steps=None)
         self.untold, bake.tell = bake.tell, _teller(folder)
@@ -147,6 +246,14 @@ def outcome(error: BaseException | None) -> tuple[str, str | None, str | None]:
         return "failed", str(error), "input"
     if isinstance(error, KeyboardInterrupt):
         return "failed", "interrupted", "run"
+    if isinstance(error, OSError) and error.filename is not None:  # a folder that cannot be written, a full disk
+        import errno
+
+        from ..errors import FileProblem
+
+        # a path the user must fix is bad input (2); a disk that filled up is a failed run (1)
+        theirs = error.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR)
+        return "failed", str(FileProblem.from_os_error(error)), "input" if theirs else "run"
     return "failed", str(error) or type(error).__name__, "run"
 
 
@@ -221,6 +328,7 @@ def _reporter(bake: Bake, done: Outcome, tell_errors: bool, record: bool):
     """A doit reporter that speaks in steps and leaves error messages to the caller. With
     `record` (``doit train plan=...``, no `run_bake` around it), a run of the whole graph
     takes the run folder's lock and keeps run.json as `run_bake` does."""
+    import sys
     from contextlib import ExitStack
 
     from doit.reporter import ConsoleReporter
@@ -236,6 +344,12 @@ def _reporter(bake: Bake, done: Outcome, tell_errors: bool, record: bool):
                 return  # a part of the graph: run.json is the whole bake's
             self.held = ExitStack()
             self.held.enter_context(_one_bake(bake.folder))  # AlreadyRunning: nothing touched
+            try:
+                check_owner(bake)
+            except RunStateError as e:  # doit would show it as its own traceback: one line, exit 2
+                self.held.close()
+                sys.stderr.write(f"error: {e}\n")
+                sys.exit(e.exit_code)
             bake.folder.stop_request.unlink(missing_ok=True)  # a stop asked of an earlier bake
             self.attempt = _Attempt(bake, done)
 
@@ -268,6 +382,7 @@ def _reporter(bake: Bake, done: Outcome, tell_errors: bool, record: bool):
             if self.attempt is not None:
                 if done.error is None and len(done.ran) + len(done.skipped) < len(graph_of(bake)[0]):
                     done.error = KeyboardInterrupt()  # doit was stopped between its steps
+                claim_done(bake, done)
                 self.attempt.end()
                 self.attempt = None
                 self.held.close()

@@ -124,7 +124,10 @@ def _in_progress(folder: RunFolder, bake: Bake | None = None) -> str | None:
         return None
     from .. import journal
 
-    status = journal.status(folder)  # a process that died is not shown as running
+    try:
+        status = journal.status(folder)  # a process that died is not shown as running
+    except journal.Damaged:
+        return None  # shown by the stamps alone; `overbrainer status` says what is wrong
     if status.get("state") not in journal.ACTIVE:
         return None
     return _first_unstamped(folder, status.get("task"), bake)

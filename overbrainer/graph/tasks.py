@@ -115,7 +115,11 @@ class _UpToDate:
         self.deps = deps
 
     def __call__(self) -> bool:
-        status = check(self.bake, self.module)
+        try:
+            status = check(self.bake, self.module)
+        except Exception as e:  # a base that cannot be read: the step's action meets it again, told as one line
+            self.reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            return False
         self.reason = status.reason
         if not status.up_to_date:
             return False

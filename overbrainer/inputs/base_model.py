@@ -40,7 +40,7 @@ from pathlib import Path
 from ..errors import BaseModelError
 from ..hashing import HashCache, hash_bytes
 
-__all__ = ["ALIASES", "BaseSpec", "WheelGGUF", "hub_base", "parse_base", "pin_base", "gguf_hash", "check_folder", "folder_fix"]
+__all__ = ["ALIASES", "BaseSpec", "WheelGGUF", "hub_base", "parse_base", "pin_base", "gguf_hash", "check_folder", "folder_fix", "safetensors_header"]
 
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")
@@ -235,3 +235,58 @@ def check_folder(folder: Path, source: str) -> Path:
 
 def folder_fix() -> str:
     return "set base to a Hugging Face model folder (config.json, *.safetensors, tokenizer files)"
+
+
+# bytes per element of each safetensors dtype (the format's own list)
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
+                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+_MAX_HEADER = 100 << 20  # what the safetensors library itself accepts
+
+
+def safetensors_header(path: Path, source: str) -> dict:
+    """The tensors a safetensors file declares (name → its header entry), checked against
+    the file without reading the weights: the header's length within the file and the
+    format's limit, each tensor's dtype and shape the size of its byte range, and every
+    range inside the file. A truncated, random or hostile file is a `BaseModelError`
+    naming it, never an OverflowError or a MemoryError."""
+    import struct
+
+    def bad(why: str) -> BaseModelError:
+        return BaseModelError(f"base {source!r}: {path} is not a valid safetensors file ({why}); download it again")
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise bad("shorter than its 8-byte header length")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or n > size - 8:
+                raise bad(f"its header claims {n:,} bytes, and the file has {size - 8:,} after the length")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise BaseModelError(f"base {source!r}: cannot read {path} ({e.strerror or e}); fix its permissions") from None
+    except (ValueError, RecursionError, OverflowError, MemoryError) as e:
+        raise bad(f"its header is not JSON: {type(e).__name__}") from None
+    if not isinstance(header, dict):
+        raise bad("its header is not a JSON object")
+    data = size - 8 - n
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    for name, entry in tensors.items():
+        try:
+            start, end = entry["data_offsets"]
+            width = _DTYPE_BYTES[entry["dtype"]]
+            count = 1
+            for dim in entry["shape"]:
+                if not isinstance(dim, int) or dim < 0:
+                    raise TypeError
+                count *= dim
+            if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end):
+                raise TypeError
+        except (KeyError, TypeError, ValueError, OverflowError, MemoryError):
+            raise bad(f"tensor {name!r} has no valid dtype, shape and data_offsets") from None
+        if end - start != count * width:
+            raise bad(f"tensor {name!r} takes {end - start:,} bytes, and its shape and dtype need {count * width:,}")
+        if end > data:
+            raise bad(f"tensor {name!r} ends at byte {end:,} of the data, which has {data:,}: the file is truncated")
+    return tensors

@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Mapping
 
-__all__ = ["FORMATS", "FIELD_NAMES", "BadRow", "Normalizer", "kind_of", "names_of"]
+__all__ = ["FORMATS", "FIELD_NAMES", "BadRow", "Normalizer", "kind_of", "a_kind", "names_of"]
 
 FORMATS = ("auto", "openai", "sharegpt", "prompt_completion", "alpaca")
 TOP_FIELDS = (
@@ -69,6 +69,12 @@ class BadRow(Exception):
     def __init__(self, what: str, fix: str):
         super().__init__(what)
         self.what, self.fix = what, fix
+
+
+def a_kind(value: object) -> str:
+    """A JSON value's type in JSON's words, with its article: "an array", "a string", "null"."""
+    kind = kind_of(value)
+    return kind if kind == "null" else ("an " if kind[0] in "aeiou" else "a ") + kind
 
 
 def kind_of(value: object) -> str:
@@ -225,7 +231,7 @@ def _turns(items: object, key: str, keys: tuple[str, str], other: tuple[str, str
         items = _json_cell(items, key)  # a CSV cell holding the list as JSON
     if not isinstance(items, (list, tuple)):
         raise BadRow(
-            f"{key!r} is a {kind_of(items)}, not a list of messages",
+            f"{key!r} is {a_kind(items)}, not a list of messages",
             f'give {key!r} as a list such as [{{"{keys[0]}": "user", "{keys[1]}": "..."}}, ...]',
         )
     if not items:
@@ -261,7 +267,7 @@ def _message(item: object, index: int, keys: tuple[str, str], other: tuple[str, 
     """One message the fast path did not take: the other format's keys, or a BadRow."""
     if not isinstance(item, dict):
         raise BadRow(
-            f"message {index} is a {kind_of(item)}, not an object",
+            f"message {index} is {a_kind(item)}, not an object",
             f'write each message as {{"{keys[0]}": ..., "{keys[1]}": ...}}',
         )
     role_key, content_key = keys if keys[0] in item or other[0] not in item else other
@@ -283,7 +289,7 @@ def _content(item: dict, key: str, where: str) -> str:
     content = item[key]
     if not isinstance(content, str):
         raise BadRow(
-            f"{where}'s {key!r} is a {kind_of(content)}, not a string",
+            f"{where}'s {key!r} is {a_kind(content)}, not a string",
             f"give {key!r} as text (lists of content parts are not supported)",
         )
     if not content or content.isspace():

@@ -135,6 +135,13 @@ def _resolve(entry: dict, plan_dir: Path, where: str) -> Source:
                 "put the conversation files in it, or name them"
             )
         return Source(rel, "", "folder", [local(p) for p in files], **settings)
+    special = _special_kind(path)
+    if special:
+        via = f" (a link to {os.path.realpath(path)})" if path.is_symlink() else ""
+        raise OverbrainerError(
+            f"{where}: {rel!r}{via} is {special}, not a regular file; give a file of conversations "
+            "(a stream or device would be read without end)"
+        )
     hub = _HUB_ID.match(rel)
     if hub and not rel.startswith((".", "/", "~")) and Path(rel).suffix.lower() not in SUFFIXES:
         return _hub(rel, hub["repo"], hub["revision"], hub["config"], settings, where)
@@ -142,6 +149,21 @@ def _resolve(entry: dict, plan_dir: Path, where: str) -> Source:
         f"{where}: {rel!r} no such file (paths are relative to the plan file); fix the path, "
         "or give a Hugging Face dataset id such as org/name"
     )
+
+
+def _special_kind(path: Path) -> str | None:
+    """What a path that exists but is neither a file nor a folder is, in words; None otherwise."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    for test, words in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return words
+    return None
 
 
 def _shown(path: Path) -> str:

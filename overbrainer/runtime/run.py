@@ -80,6 +80,31 @@ class Run:
         except (OSError, ValueError):
             raise RunStateError(f"{self.folder.root}: no plan.json; bake a plan into this folder first") from None
 
+    def repair(self) -> dict | None:
+        """run.json rebuilt from what the folder holds, when it is damaged (None: it is
+        not): done when every step has its stamp, else failed (bake again to go on from
+        the last checkpoint); its plan file from plan.json. The attempts are lost."""
+        from ..graph.tasks import STEPS
+        from ..stamps import read_stamp
+
+        try:
+            journal.load(self.folder)
+            return None
+        except journal.Damaged:
+            pass
+        try:
+            plan_file = self.plan.get("resolved", {}).get("plan_file")
+        except RunStateError:
+            plan_file = None
+        done = all(read_stamp(self.folder.stamp(m.NAME)) is not None for m in STEPS)
+        steps = self.checkpoints()
+        data = {"state": "done" if done else "failed", "where": "here", "process": None, "task": None, "stages": [],
+                "reason": None if done else "run.json was damaged and rebuilt; bake again to go on from the last checkpoint",
+                "step": steps[-1] if steps else None, "attempts": [], "result": None}
+        if isinstance(plan_file, str):
+            data["plan_file"] = plan_file
+        return journal.update(self.folder, **data)
+
     def update(self, _only_if: tuple[str, ...] | None = None, **fields) -> dict:
         """Change run.json (``journal.update``): what the supervisor does, and `stop`."""
         return journal.update(self.folder, _only_if, **fields)
@@ -163,6 +188,9 @@ class Run:
         """Wait for the end; show progress; return the model."""
         from .follow import follow
 
+        error = journal.no_run(self.folder)
+        if error is not None:
+            raise error
         state = follow(self, poll=poll, show=show)
         if state == "done":
             return self.baked()
@@ -330,8 +358,9 @@ class Started:
 def start_unless_done(bake) -> Started:
     """A compiled bake's run, started in a process of its own unless one is running already
     or every step is up to date: what ``overbrainer bake`` and ``overbrainer.bake()`` do."""
-    from ..graph.driver import dry_run
+    from ..graph.driver import check_owner, dry_run
 
+    check_owner(bake)  # another plan file's folder: refused before anything is followed or started
     run = Run(bake.folder.root)
     if run.state in ACTIVE:
         return Started(run, "running")

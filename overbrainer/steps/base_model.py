@@ -25,21 +25,16 @@ def inputs(bake: Bake) -> dict:
 def check_tensors(folder: Path, source: str, trust_remote_code: bool = False) -> None:
     """Refuse a model folder whose weights lack tensors its config calls for: loading it
     would quietly start those from random numbers. Built on the meta device: no weights
-    are read, only the safetensors headers."""
-    import json
-    import struct
-
+    are read, only the safetensors headers, each checked against its file (a truncated or
+    damaged file is refused here, naming it, not in the trainer)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from ..inputs.base_model import safetensors_header
+
     names: set[str] = set()
     for f in sorted(folder.glob("*.safetensors")):
-        try:
-            with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                names.update(k for k in json.loads(fh.read(n)) if k != "__metadata__")
-        except (OSError, ValueError, struct.error):
-            raise BaseModelError(f"base {source!r}: {f.name} is not a readable safetensors file; download it again") from None
+        names.update(safetensors_header(f, source))
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
         with torch.device("meta"):

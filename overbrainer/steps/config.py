@@ -237,15 +237,16 @@ def size(train: TrainSettings, base_folder: Path):
 
 
 def check_chat_template(examples: Path, base_folder: Path, template: Template | None,
-                        tokens: dict) -> tuple[dict, dict[str, int]]:
-    """The special tokens to train with, and the train tokens of each source file, once the
+                        tokens: dict, max_len: int | None = None) -> tuple[dict, dict[str, int]]:
+    """The special tokens to train with, and the train tokens of each source file (each
+    conversation counted up to `max_len`, what trains of it), once the
     template (``template``, else the base's) rendered every conversation with its assistant
     turns found; OverbrainerError (one line) otherwise."""
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
     from transformers.utils import logging
 
-    from ..trainers.examples import assistant_spans
+    from ..trainers.examples import assistant_spans, within
 
     logging.set_verbosity_error()
     tokenizer = AutoTokenizer.from_pretrained(base_folder)
@@ -286,7 +287,10 @@ def check_chat_template(examples: Path, base_folder: Path, template: Template | 
                         f"config: the chat template ({origin}) fails on {row['source']} (row {number} of "
                         f"examples.parquet): {reason}; fix the template or that conversation, or {fix}"
                     ) from None
-                lengths[row["id"]] = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+                if max_len is not None:  # a 50 MB conversation is tokenized as far as it trains
+                    text = within(tokenizer, text, max_len)
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+                lengths[row["id"]] = len(ids) if max_len is None else min(len(ids), max_len)
             if row["split"] == "train":
                 name = row["source"].rsplit(":", 1)[0]
                 counts[name] = counts.get(name, 0) + lengths[row["id"]]
@@ -382,7 +386,8 @@ def run(bake: Bake, inputs: dict) -> Outputs:
                   train.adapter)
     template = plan_template(bake)
     tokens = special_tokens(Path(inputs["base_folder"]))
-    tokens, counts = check_chat_template(bake.folder.examples, Path(inputs["base_folder"]), template, tokens)
+    tokens, counts = check_chat_template(bake.folder.examples, Path(inputs["base_folder"]), template, tokens,
+                                         train.sequence_len)
     total = sum(counts.values()) or 1
     bake.say("config: train tokens by source: " + ", ".join(
         f"{name} {n:,} ({100 * n / total:.0f}%)" for name, n in counts.items()))

@@ -49,6 +49,7 @@ class Bake:
     sources: list[Source]  # the plan's data, resolved (inputs/sources.py)
     hashes: HashCache
     plan_bytes: bytes | None = None  # what the plan file held when it was read
+    take_over: bool = False  # ``--force``: bake into a run folder another plan file owns
     say: Callable[[str], None] = field(default=_silent, repr=False)
     tell: Callable[..., None] = field(default=_untold, repr=False)
     # each step's `steps.check` status, computed once per bake: doit's up-to-date check
@@ -88,6 +89,7 @@ class Bake:
             "folder": str(self.folder.root),
             "base": self.base.as_dict(),
             "sources": [s.as_json() for s in self.sources],
+            "take_over": self.take_over,
         }
 
     @classmethod
@@ -105,5 +107,6 @@ class Bake:
             sources=[Source.from_json(s) for s in data["sources"]],
             hashes=HashCache(folder.hash_cache),
             plan_bytes=base64.b64decode(raw) if raw is not None else None,
+            take_over=bool(data.get("take_over")),
             **callbacks,
         )

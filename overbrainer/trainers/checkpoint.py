@@ -66,15 +66,36 @@ def intact(folder: Path) -> bool:
 
 
 def latest_intact(checkpoints: Path, say=print) -> tuple[int, Path] | None:
-    """The newest checkpoint that is whole. A damaged one is moved to ``corrupt-step-N``
+    """The newest checkpoint that is whole: every file with its hash, and its state files
+    readable as plain tensors (`unloadable`). A damaged one is moved to ``corrupt-step-N``
     beside it (kept, never used) and the one before it is taken."""
     for step, folder in reversed(complete(checkpoints)):
-        if intact(folder):
+        why = "a file is missing or changed" if not intact(folder) else unloadable(folder)
+        if why is None:
             return step, folder
         aside = folder.with_name(f"corrupt-{folder.name}")
         shutil.rmtree(aside, ignore_errors=True)
         os.replace(folder, aside)
-        say(f"{folder.name} is damaged (a file is missing or changed): set aside as {aside.name}")
+        say(f"{folder.name} is damaged ({why}): set aside as {aside.name}")
+    return None
+
+
+def unloadable(folder: Path) -> str | None:
+    """Why the checkpoint's state files do not load with ``torch.load(weights_only=True)``
+    (something in them is not tensors, numbers or strings, or they are torn), or None. A
+    hash that matches does not make a pickle safe: it may have been written to match."""
+    import pickle
+
+    import torch
+
+    for path in [folder / STATE, *sorted(folder.glob("rng-rank*.pt"))]:
+        if not path.is_file():
+            continue  # a layout without it (the Axolotl trainer's)
+        try:
+            torch.load(path, weights_only=True, map_location="cpu")
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError,
+                ImportError, KeyError, IndexError, OSError):
+            return f"{path.name} holds something else than tensors, numbers and strings"
     return None
 
 

@@ -64,8 +64,31 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
     return text, spans
 
 
+def longest_token(tokenizer) -> int:
+    """The most characters one token of `tokenizer` can stand for: its longest vocabulary
+    entry (a byte-level entry has a character per byte), computed once per tokenizer."""
+    known = _LONGEST.get(id(tokenizer))
+    if known is None or known[0] is not tokenizer:
+        known = _LONGEST[id(tokenizer)] = (tokenizer, max(map(len, tokenizer.get_vocab()), default=1))
+    return known[1]
+
+
+_LONGEST: dict[int, tuple[object, int]] = {}
+
+
+def within(tokenizer, text: str, max_len: int) -> str:
+    """The start of `text` that holds its first `max_len` tokens, with a margin: no token
+    stands for more than `longest_token` characters, and twice that many characters (and
+    some) leave the tokens before the cut as the whole text has them. What is tokenized is
+    bounded by the sequence length, not by the conversation: a 50 MB line costs what its
+    first few thousand characters do."""
+    limit = 2 * max_len * (longest_token(tokenizer) + 1) + 1024
+    return text if len(text) <= limit else text[:limit]
+
+
 def tokenize(tokenizer, messages: list[dict], max_len: int) -> Example:
     text, spans = assistant_spans(tokenizer, messages)
+    text = within(tokenizer, text, max_len)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     labels = []

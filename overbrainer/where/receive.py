@@ -5,8 +5,12 @@ A result (``result.tar.gz``, or a tar streamed back over ssh) holds ``result.jso
 the job ended and every artifact file's path, size and blake3, then the files. `receive`
 brings one back into the run folder:
 
+- the archive is bounded before anything is read in full: at most `MAX_MEMBERS` members, a
+  result.json of at most `MAX_RESULT_JSON` bytes, each member's declared size equal to the one
+  result.json lists, and their sum within the disk's free space;
 - every member is checked before anything is written: ``..``, absolute paths, symbolic
-  and hard links, devices, FIFOs and anything but plain files and folders are refused,
+  and hard links, devices, FIFOs, sparse files and anything but plain files and folders,
+  and a file where the job brings back a folder (or the other way round) are refused,
   in one line, and nothing is extracted;
 - members outside the trainer's artifacts, or absent from result.json, are refused; names
   matching its exclude patterns are left out;
@@ -27,6 +31,7 @@ import os
 import re
 import shutil
 import tarfile
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -61,6 +66,36 @@ class Received:
     step: int | None  # the last logged step
 
 
+# what a job's result may hold: more members, or a bigger manifest, is not a result
+MAX_MEMBERS = 20_000
+MAX_RESULT_JSON = 16 << 20
+
+
+def _members(tar: tarfile.TarFile, refuse: Callable) -> list[tarfile.TarInfo]:
+    """The archive's members, read one header at a time and no more than `MAX_MEMBERS`."""
+    members = []
+    try:
+        while (member := tar.next()) is not None:
+            members.append(member)
+            if len(members) > MAX_MEMBERS:
+                raise refuse(f"it holds more than {MAX_MEMBERS:,} members; a job's result has far fewer")
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise refuse(f"the archive is damaged ({e}); copy it again") from None
+    return members
+
+
+def _folders(names: list[str], listed: dict, artifacts: dict, run_dir: Path) -> set[str]:
+    """The names that must be folders: every parent of a member or a listed file, the
+    `required` entry (it holds the trained model's files), and entries that are folders in
+    the run folder already."""
+    out = {artifacts["required"]} if artifacts.get("required") else set()
+    for path in [*names, *listed]:
+        parts = path.split("/")
+        out.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    out.update(e for e in artifacts["entries"] if (run_dir / e).is_dir() and not (run_dir / e).is_symlink())
+    return out
+
+
 def _refusal(member: tarfile.TarInfo) -> str | None:
     """Why a tar member may not be extracted, or None."""
     name = member.name
@@ -78,6 +113,8 @@ def _refusal(member: tarfile.TarInfo) -> str | None:
         return "is a device file"
     if member.isfifo():
         return "is a FIFO"
+    if member.issparse():
+        return "is a sparse file (a job writes plain files only)"
     if not (member.isreg() or member.isdir()):
         return "is not a plain file or folder"
     return None
@@ -107,25 +144,29 @@ def receive(run_dir: Path, archive: Path, artifacts: dict, fingerprint: str, has
     except (tarfile.TarError, OSError) as e:
         raise refuse(f"not a readable tar archive ({e})") from None
     with tar:
-        try:
-            members = tar.getmembers()
-        except (tarfile.TarError, OSError, EOFError) as e:
-            raise refuse(f"the archive is damaged ({e}); copy it again") from None
+        members = _members(tar, refuse)
         bad = [(m.name, why) for m in members if (why := _refusal(m))]
         if bad:
             more = f" (and {len(bad) - 1} more members refused)" if len(bad) > 1 else ""
             raise refuse(f"member {bad[0][0]!r} {bad[0][1]}{more}")
         names = [_clean(m.name) for m in members]
-        twice = sorted({n for n in names if names.count(n) > 1 and n})
+        twice = sorted(n for n, count in Counter(names).items() if count > 1 and n)
         if twice:
             raise refuse(f"member {twice[0]!r} appears twice")
         files = {n: m for n, m in zip(names, members) if m.isreg()}
         if jobfile.RESULT_JSON not in files:
             raise refuse(f"it has no {jobfile.RESULT_JSON}: it is not the result of an overbrainer job")
+        result_member = files.pop(jobfile.RESULT_JSON)
+        if result_member.size > MAX_RESULT_JSON:
+            raise refuse(f"its {jobfile.RESULT_JSON} is {result_member.size:,} bytes, more than the "
+                         f"{MAX_RESULT_JSON:,} a job's manifest can be")
         try:
-            result = json.loads(tar.extractfile(files.pop(jobfile.RESULT_JSON)).read())
+            result = json.loads(tar.extractfile(result_member).read())
             listed = {f["path"]: f for f in result["files"]}
-        except (ValueError, KeyError, TypeError, tarfile.TarError) as e:
+            if not all(isinstance(p, str) and isinstance(f["size"], int) and isinstance(f["hash"], str)
+                       for p, f in listed.items()):
+                raise TypeError("a file without a path, size or hash")
+        except (ValueError, KeyError, TypeError, AttributeError, tarfile.TarError) as e:
             raise refuse(f"its {jobfile.RESULT_JSON} is unreadable ({e})") from None
         if result.get("fingerprint") != fingerprint:
             raise refuse(
@@ -133,16 +174,22 @@ def receive(run_dir: Path, archive: Path, artifacts: dict, fingerprint: str, has
                 f"({fingerprint[:12]}); bake again to export the job as it is now, and run that one"
             )
         entries, exclude = artifacts["entries"], artifacts.get("exclude", [])
+        folders = _folders(names, listed, artifacts, run_dir)
         take = {}
         for name, member in files.items():
             if jobfile.excluded(name, exclude):
                 continue  # left out, as the job itself does
             if not any(_inside(name, e) for e in entries):
                 raise refuse(f"member {name!r} is not among what the job brings back ({', '.join(entries)})")
+            if name in folders:
+                raise refuse(f"member {name!r} is a file where the job brings back a folder")
             f = listed.get(name)
-            if f is None or f["size"] != member.size:
+            if f is None or f["size"] != member.size:  # checked before a byte is written
                 raise refuse(f"member {name!r} is not in its {jobfile.RESULT_JSON} (or not with that size)")
             take[name] = member
+        for name, member in zip(names, members):
+            if member.isdir() and name in listed:
+                raise refuse(f"member {name!r} is a folder where its {jobfile.RESULT_JSON} lists a file")
         listed = {p: f for p, f in listed.items() if not jobfile.excluded(p, exclude)}
         for path, f in listed.items():
             if path in take:
@@ -150,6 +197,10 @@ def receive(run_dir: Path, archive: Path, artifacts: dict, fingerprint: str, has
             here = run_dir / path
             if not (here.is_file() and here.stat().st_size == f["size"] and hashes.hash(here) == f["hash"]):
                 raise refuse(f"{path} is listed but neither in the archive nor here with its content")
+        needed = sum(m.size for m in take.values())
+        free = shutil.disk_usage(run_dir).free
+        if needed > free:
+            raise refuse(f"its files take {needed:,} bytes and {run_dir} has {free:,} free; make room, then import again")
 
         tmp = run_dir / f".import-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -157,6 +208,9 @@ def receive(run_dir: Path, archive: Path, artifacts: dict, fingerprint: str, has
         try:
             size = _extract(tar, take, listed, tmp, refuse)
             _put_in_place(tmp, run_dir, entries, listed, log_header)
+        except OSError as e:  # a full disk, a folder that cannot be written
+            raise refuse(f"could not write it into {run_dir} ({e.strerror or e}); make room or fix the folder's "
+                         f"permissions, then import again") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         hashes.save()

@@ -1,10 +1,14 @@
 import pytest
 
+# each full matrix runs under its own option; the fast subsets always run
+MATRICES = {"full_matrix": ("--kill-matrix", "kill"), "full_tamper_matrix": ("--tamper-matrix", "tampering")}
+
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--kill-matrix"):
-        return
-    skip = pytest.mark.skip(reason="part of the full kill matrix: run with --kill-matrix")
-    for item in items:
-        if "full_matrix" in item.keywords:
-            item.add_marker(skip)
+    for marker, (option, name) in MATRICES.items():
+        if config.getoption(option):
+            continue
+        skip = pytest.mark.skip(reason=f"part of the full {name} matrix: run with {option}")
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)

@@ -30,7 +30,8 @@ json_value = st.recursive(json_leaf, lambda inner: st.one_of(
 plan_keys = st.sampled_from(["name", "base", "data", "split", "train", "bake", "where", "trust_remote_code",
                              "lerning_rate", "steps", "validation"])
 train_keys = st.sampled_from(["steps", "epochs", "learning_rate", "lora_r", "micro_batch_size", "schedule",
-                              "sequence_len", "adapter", "trainer", "processes", "save_every", "lora_dropout"])
+                              "sequence_len", "adapter", "trainer", "processes", "save_every", "lora_dropout",
+                              "seed"])
 
 
 @st.composite
@@ -126,10 +127,16 @@ def test_hostile_plans_through_the_cli(project, tmp_path):
         {**project.plan, "data": "../../../../etc/shadow"},
         {**project.plan, "base": "/dev/null"},
         {**project.plan, "data": "chats.jsonl", "unknown": {"deep": [[[[1]]]]}},
+        {**project.plan, "train": {"seed": 10**14}},
+        {**project.plan, "train": {"learning_rate": float("nan")}},
+        {**project.plan, "train": {"steps": True, "learning_rate": "0.001"}},
+        {**project.plan, "name": "n" * 300},
     ):
         project.plan_path.write_text(json.dumps(plan))
         proc = cli("bake", str(project.plan_path), check=2, timeout=120)
         assert "Traceback" not in proc.stderr and proc.stderr.startswith("error: "), proc.stderr
+    project.plan_path.write_text('{"name": "tiny", "base": "./tiny",\n "data": "chats.jsonl", "base": "./x"}')
+    assert "'base' is given twice in one object (lines 1 and 2)" in cli("bake", str(project.plan_path), check=2).stderr
     project.plan_path.write_bytes(b'{"name": "\xff\xfe"}')
     assert "UTF-8" in cli("bake", str(project.plan_path), check=2).stderr
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").glob("*/.stamps/*.json"))
