@@ -341,3 +341,13 @@ def test_gguf_of_an_unsupported_model_fails_before_training(project, tmp_path):
     line = one_line_error(cli("bake", str(project.plan_path), check=2))
     assert "bake.formats: gguf-q4_k_m is not supported for OPTForCausalLM models: llama.cpp's converter" in line
     assert not list((tmp_path / "runs").glob("*/checkpoints/step-*"))
+
+
+def test_base_license_is_read_from_the_base_cards_front_matter(tmp_path):
+    from overbrainer.inputs.base_model import base_license
+
+    assert base_license(tmp_path) is None  # no card
+    (tmp_path / "README.md").write_text("---\nlanguage: en\nlicense: 'apache-2.0'  # the card's\ntags: [x]\n---\n# m\nlicense: mit\n")
+    assert base_license(tmp_path) == "apache-2.0"
+    (tmp_path / "README.md").write_text("# no front matter\nlicense: mit\n")
+    assert base_license(tmp_path) is None

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard
 
-__all__ = ["read_metrics", "metrics_table", "plot_loss", "model_card", "card_data", "base_license"]
+__all__ = ["read_metrics", "metrics_table", "plot_loss", "model_card", "card_data"]
 
 # the Hub's library_name for the card: the first kind of file baked/ holds, in this order
 _LIBRARIES = (("safetensors", "transformers"), ("gguf", "gguf"), ("adapter", "peft"))
@@ -258,14 +258,3 @@ base = AutoModelForCausalLM.from_pretrained("path/to/the/base/model")
 model = PeftModel.from_pretrained(base, "path/to/baked/adapter")
 ```""")
     return "\n\n".join(parts)
-
-
-def base_license(folder: Path) -> str | None:
-    """The licence the base model's own card (``README.md`` in its folder) declares, if any."""
-    readme = folder / "README.md"
-    if not readme.is_file():
-        return None
-    try:
-        return ModelCard.load(readme).data.license
-    except Exception:  # a README with no or broken front matter: no licence known
-        return None

@@ -40,7 +40,7 @@ from pathlib import Path
 from ..errors import BaseModelError
 from ..hashing import HashCache, hash_bytes
 
-__all__ = ["ALIASES", "BaseSpec", "WheelGGUF", "hub_base", "parse_base", "pin_base", "gguf_hash", "check_folder", "folder_fix", "safetensors_header"]
+__all__ = ["ALIASES", "BaseSpec", "WheelGGUF", "hub_base", "parse_base", "pin_base", "gguf_hash", "check_folder", "folder_fix", "safetensors_header", "base_license"]
 
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")
@@ -290,3 +290,18 @@ def safetensors_header(path: Path, source: str) -> dict:
         if end > data:
             raise bad(f"tensor {name!r} ends at byte {end:,} of the data, which has {data:,}: the file is truncated")
     return tensors
+
+
+def base_license(folder: Path) -> str | None:
+    """The licence the base model's own card (``README.md`` in its folder) declares in its
+    front matter, if any. Read on the bake step's up-to-date check, so without the Hub
+    client or a YAML parser: the card's top-level ``license:`` key, a plain scalar."""
+    try:
+        text = (folder / "README.md").read_text(errors="replace")
+    except OSError:
+        return None
+    if not text.startswith("---"):
+        return None
+    front, _, _ = text[3:].partition("\n---")
+    found = re.search(r"^license:[ \t]*['\"]?([^'\"\s#]+)", front, re.M)
+    return found.group(1) if found else None

@@ -61,8 +61,7 @@ def _license(bake: Bake) -> str | None:
     """The base model's licence: an alias's, else what its folder's card declares."""
     from pathlib import Path
 
-    from ..formats.card import base_license
-    from ..inputs.base_model import ALIASES
+    from ..inputs.base_model import ALIASES, base_license
 
     if bake.base.kind == "alias":
         return ALIASES[bake.base.location].license
