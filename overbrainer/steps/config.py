@@ -155,6 +155,7 @@ def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: di
         # the built-in trainer's own (the Axolotl job config leaves them out)
         "device": train.device,
         "deterministic": train.deterministic,
+        "shard": train.shard or None,
     }
     return {k: v for k, v in cfg.items() if v is not None}
 
@@ -171,6 +172,7 @@ def size(train: TrainSettings, base_folder: Path):
         gradient_checkpointing=train.gradient_checkpointing,
         device_setting=train.device,
         processes=train.processes,
+        shards=train.processes * train.nodes if train.shard else 1,
         lora_r=train.lora_r,
         targets=list(train.lora_target_modules),
         micro_batch_size=train.micro_batch_size,

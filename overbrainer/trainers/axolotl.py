@@ -223,7 +223,7 @@ def job_config(cfg: dict, has_validation: bool, key: str) -> dict:
         excess_length_strategy=cfg.get("excess_length_strategy", "truncate"),
     )
     # the built-in trainer's own keys, which Axolotl does not know
-    for key in ("device", "deterministic"):
+    for key in ("device", "deterministic", "shard"):
         out.pop(key, None)
     if out.get("liger_rms_norm"):
         out["plugins"] = [*out["plugins"], "axolotl.integrations.liger.LigerPlugin"]
