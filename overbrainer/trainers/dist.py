@@ -41,8 +41,11 @@ class World:
         """Join the other ranks: NCCL between GPUs (each rank's own, set by then), gloo
         between CPU processes."""
         self.device = device  # NCCL reduces tensors on the GPU only
+        backend = "nccl" if device.type == "cuda" else "gloo"
         if self.size > 1:
-            td.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+            td.init_process_group(backend=backend)
+        elif self.shard:  # FSDP2 works in a process group, be it of one (no torchrun needed)
+            td.init_process_group(backend=backend, store=td.HashStore(), rank=0, world_size=1)
 
     @property
     def main(self) -> bool:
@@ -71,8 +74,6 @@ class World:
         rank 0's parameters at construction; FSDP2 keeps each rank's slice of the weights
         every rank loaded alike, moved to `device` (`layers` are sharded one by one first,
         so no more than one of them is ever whole on the device while sharding)."""
-        if self.size == 1:
-            return module
         if self.shard:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -85,6 +86,8 @@ class World:
             # the root holds the rest (embeddings, final norm, output layer); FSDP2 keeps a
             # root gathered from its forward to its backward, where it is needed again
             return fully_shard(module, mesh=mesh, mp_policy=policy)
+        if self.size == 1:
+            return module
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(
@@ -146,5 +149,5 @@ class World:
             td.barrier()
 
     def close(self) -> None:
-        if self.size > 1 and td.is_initialized():
+        if td.is_initialized():
             td.destroy_process_group()

@@ -96,10 +96,8 @@ class Training:
 def setup(cfg: dict, run_dir: Path) -> Training:
     """The model on its device, the data, the optimizer and the schedule; then the newest
     complete checkpoint's state, when there is one."""
+    # shard alone (the plan refuses it: nothing to share) still runs FSDP2, in a world of one
     world = World(shard=bool(cfg.get("shard")))
-    if world.shard and world.size == 1:
-        raise GiveUp("config.yaml: shard is true and this trainer runs alone; run it under torchrun with 2 or "
-                     "more processes (train.processes), or set train.shard to false", 2)
     try:
         device = hw.pick(cfg.get("device", "auto"), world.local_rank)
     except hw.Unavailable as e:
@@ -123,6 +121,9 @@ def setup(cfg: dict, run_dir: Path) -> Training:
     if dropped and world.main:
         print(f"{dropped} conversations dropped: nothing of the assistant left within sequence_len", flush=True)
     mbs, gas = cfg["micro_batch_size"], cfg["gradient_accumulation_steps"]
+    if gas % world.size:  # the plan checks it; a rank without a micro-batch would hang the others
+        raise GiveUp(f"config.yaml: gradient_accumulation_steps {gas} cannot be shared equally by {world.size} "
+                     f"processes; make it a multiple of {world.size}", 2)
     lengths = [len(e.ids) for e in train_set] if cfg.get("group_by_length") else None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
