@@ -9,8 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import make_project
-from helpers import bake_json, cli
+from helpers import bake_json, cli, make_project
 from test_distributed import metric_lines
 from test_resume import kill_bake_at
 

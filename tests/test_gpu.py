@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import make_project
-from helpers import bake_json
+from helpers import bake_json, make_project
 from test_distributed import metric_lines
 from test_resume import kill_bake_at
 

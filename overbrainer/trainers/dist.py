@@ -132,7 +132,10 @@ class World:
 
     def load_optimizer(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """A whole optimizer state (`full_state`'s, read by every rank) into this rank's shards."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
 
         set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
