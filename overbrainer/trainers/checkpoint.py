@@ -96,8 +96,10 @@ def rng_state() -> dict:
     import torch
 
     state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_initialized():
+        # this process's GPU only: asking for every GPU's state would open a CUDA context
+        # on each (under torchrun, every rank on every GPU), and a CPU run none at all
+        state["cuda_device"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -105,7 +107,11 @@ def set_rng_state(state: dict) -> None:
     import torch
 
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
+    if not torch.cuda.is_initialized():  # training on the CPU: its GPU's generator is not used
+        return
+    if "cuda_device" in state:
+        torch.cuda.set_rng_state(state["cuda_device"])  # the current device: the trainer set it
+    elif "cuda" in state:  # checkpoints before: every GPU's
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
