@@ -43,7 +43,8 @@ class World:
         self.device = device  # NCCL reduces tensors on the GPU only
         backend = "nccl" if device.type == "cuda" else "gloo"
         if self.size > 1:
-            td.init_process_group(backend=backend)
+            # NCCL bound to this rank's GPU (its barriers and collectives use no other)
+            td.init_process_group(backend=backend, **({"device_id": device} if device.type == "cuda" else {}))
         elif self.shard:  # FSDP2 works in a process group, be it of one (no torchrun needed)
             td.init_process_group(backend=backend, store=td.HashStore(), rank=0, world_size=1)
 
