@@ -162,14 +162,17 @@ def thread_env(threads: int) -> dict:
                 TRANSFORMERS_VERBOSITY="error")
 
 
-def run_builtin(run: Path, threads: int) -> dict:
-    """The real trainer process; its CPU time is read at each new metrics line."""
+def run_builtin(run: Path, threads: int, processes: int = 0) -> dict:
+    """The real trainer process; its CPU time is read at each new metrics line.
+    `processes`: that many under torchrun instead (its CPU time is the launcher's)."""
     import psutil
 
     metrics = run / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     shutil.rmtree(run / "checkpoints", ignore_errors=True)
     argv = [PY, "-m", "overbrainer.trainers.builtin", str(run / "config.yaml")]
+    if processes:
+        argv[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
     cpu: dict[int, float] = {}
     with open(run / "trainer.log", "wb") as log:
         start = time.perf_counter()

@@ -199,6 +199,12 @@ class TrainSettings(_Settings):
     rendezvous: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+:[0-9]{1,5}$")] | None = Field(
         default=None, description="HOST:PORT of torchrun's c10d rendezvous, reachable from every node (nodes > 1).",
     )
+    shard: bool = Field(
+        default=False,
+        description="Shard the weights, gradients and optimizer state across the processes with FSDP2 "
+        "(torch.distributed.fsdp.fully_shard), for a model whose training does not fit one GPU; "
+        "checkpoints are gathered into the usual files, and resume under another number of processes.",
+    )
     @model_validator(mode="after")
     def _one_length(self) -> TrainSettings:
         if self.steps is not None and self.epochs is not None:
@@ -243,6 +249,15 @@ class TrainSettings(_Settings):
         if world > 1 and self.device.startswith("cuda:"):
             raise ValueError(f'device "{self.device}" names one GPU, and each of the {world} processes takes '
                              'its own; set device to "cuda"')
+        if self.shard and world == 1:
+            raise ValueError("shard splits the model across the training processes, and there is one; "
+                             "set processes to 2 or more (one per GPU), or shard to false")
+        if self.shard and self.adapter == "qlora":
+            raise ValueError('shard does not take adapter "qlora" (FSDP2 cannot shard bitsandbytes\' 4-bit '
+                             'weights); use adapter "lora" or "full" with shard, or qlora without it')
+        if self.shard and self.trainer != "builtin":
+            raise ValueError(f'shard is the built-in trainer\'s (trainer "{self.trainer}" has its own FSDP '
+                             'settings); set trainer to "builtin", or shard to false')
         if self.nodes > 1 and self.rendezvous is None:
             raise ValueError(f"nodes is {self.nodes}: set rendezvous to HOST:PORT of one of them, e.g. node0:29400")
         return self

@@ -123,6 +123,38 @@ def test_processes_must_share_a_step_equally():
     TrainSettings(processes=2, nodes=2, gradient_accumulation_steps=4, rendezvous="node0:29400")
 
 
+@pytest.mark.parametrize("train, says", [
+    pytest.param({"shard": True}, "set processes to 2 or more", id="alone"),
+    pytest.param({"shard": True, "processes": 2, "gradient_accumulation_steps": 2, "adapter": "qlora"},
+                 'shard does not take adapter "qlora"', id="qlora"),
+    pytest.param({"shard": True, "processes": 2, "gradient_accumulation_steps": 2, "trainer": "axolotl"},
+                 "shard is the built-in trainer's", id="axolotl"),
+])
+def test_shard_that_cannot_work_is_one_line_naming_the_field(project, train, says):
+    from overbrainer.plan import load_plan
+
+    project.write(**train)
+    with pytest.raises(PlanError) as e:
+        load_plan(project.plan_path)
+    assert says in str(e.value) and "train" in str(e.value) and "\n" not in str(e.value)
+    TrainSettings(shard=True, processes=2, gradient_accumulation_steps=2, adapter="full")
+    TrainSettings(shard=True, nodes=2, gradient_accumulation_steps=2, rendezvous="node0:29400")
+
+
+def test_sizing_counts_the_shards():
+    h, i, kv, layers, vocab = 2048, 8192, 2048, 24, 49152  # SmolLM2-1.7B's shape
+    modules = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+               "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    shape = Shape(params=1_711_376_384, hidden=h, layers=layers, heads=32, kv=kv, intermediate=i, vocab=vocab,
+                  modules=modules)
+    common = dict(lora=False, lora_r=8, targets=["q_proj"], micro_batch_size=4, gradient_accumulation_steps=8,
+                  sequence_len=1024, total_memory=24 * GiB, device="cuda", bf16="auto")
+    whole, sharded = estimate(shape, **common), estimate(shape, shards=8, **common)
+    assert not whole.fits and sharded.fits  # a full fine-tune of 1.7B on 24 GiB GPUs: only sharded
+    assert sharded.trainable * 8 >= whole.trainable > sharded.trainable * 7
+    assert sharded.weights < whole.weights / 4 and sharded.activations == whole.activations
+
+
 def test_a_misspelled_device_names_the_field(project):
     from overbrainer.plan import load_plan
 

@@ -38,3 +38,96 @@ def test_two_processes_match_one_and_resume_exactly(project, tmp_path, reference
     assert "resuming from step-000003" in (runs / "tiny" / "log.txt").read_text()
     assert again["state"] == "done"
     assert final(runs / "tiny") == final(two)
+
+
+# -- train.shard: FSDP2 on 2 CPU processes (gloo) ------------------------------------------
+
+
+def weights(folder: Path, name: str = "adapter_model.safetensors") -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "checkpoints/step-000008" / name)
+
+
+@pytest.mark.parametrize("adapter, file", [
+    pytest.param("lora", "adapter_model.safetensors", id="lora"),
+    pytest.param("full", "model.safetensors", id="full", marks=pytest.mark.slow),  # 2 more bakes of 2 processes
+])
+def test_sharded_matches_ddp_bit_for_bit(references, adapter, file):
+    """FSDP2 over 2 processes in float32: DDP's losses and DDP's checkpoint, bit for bit
+    (2 ranks' reduce-scatter and all-reduce add the same two numbers; AdamW is elementwise
+    on the shards), gathered into the layout merge and chat read."""
+    ddp = references.folder(lora_dropout=0.0, processes=2, **({"adapter": adapter} if adapter != "lora" else {}))
+    sharded = references.folder(lora_dropout=0.0, processes=2, shard=True,
+                                **({"adapter": adapter} if adapter != "lora" else {}))
+    assert "shared by 2 processes (sharded: FSDP2)" in (sharded / "log.txt").read_text()
+    meta = json.loads((sharded / "checkpoints/step-000008/meta.json").read_text())
+    assert meta["world_size"] == 2 and meta["shard"] is True
+    assert metric_lines(sharded) == [{**b, "seconds": a["seconds"]} for a, b in
+                                     zip(metric_lines(sharded), metric_lines(ddp), strict=True)]
+    mine, theirs = weights(sharded, file), weights(ddp, file)
+    assert mine.keys() == theirs.keys()
+    assert all(mine[k].dtype == theirs[k].dtype and mine[k].equal(theirs[k]) for k in theirs)
+    assert (sharded / "merged" / "model.safetensors").is_file()
+
+
+def run_trainer(run: Path, processes: int = 1):
+    import subprocess
+    import sys
+
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"] if processes > 1 else []
+    out = subprocess.run([sys.executable, *launcher, "-m", "overbrainer.trainers.builtin", "config.yaml"],
+                         cwd=run, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def copy_run(reference: Path, run: Path, checkpoints: tuple[str, ...] = (), **config) -> Path:
+    import shutil
+
+    import yaml
+
+    run.mkdir()
+    shutil.copy(reference / "examples.parquet", run)
+    cfg = yaml.safe_load((reference / "config.yaml").read_text())
+    (run / "config.yaml").write_text(yaml.safe_dump({**cfg, **config}))
+    for name in checkpoints:
+        shutil.copytree(reference / "checkpoints" / name, run / "checkpoints" / name)
+    return run
+
+
+def test_sharded_resume_is_exact_and_takes_another_world_size(references, tmp_path):
+    """A sharded checkpoint is whole: 2 processes take up step 3 to the uninterrupted
+    run's bits; one process takes it up too (the same math, other roundings)."""
+    whole = references.folder(lora_dropout=0.0, processes=2, shard=True)
+    two = copy_run(whole, tmp_path / "two", ("step-000003",))
+    assert "resuming from step-000003 (step 3 of 8)" in run_trainer(two, processes=2)
+    assert final(two) == final(whole)
+    one = copy_run(whole, tmp_path / "one", ("step-000003",))
+    assert "resuming from step-000003 (step 3 of 8, by 2 processes)" in run_trainer(one)
+    for a, b in zip(metric_lines(whole)[3:], metric_lines(one), strict=True):
+        assert a["step"] == b["step"] and a["tokens"] == b["tokens"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+    assert json.loads((one / "checkpoints/step-000008/meta.json").read_text())["world_size"] == 1
+
+
+def test_sharded_alone_is_one_process_bit_for_bit(references, tmp_path):
+    """FSDP2 in a world of one (the trainer on a config with shard: true; the plan refuses
+    it, and it is what a one-GPU box can test): DTensor slices, the gathered checkpoint
+    and the optimizer state by name change no bit of the unsharded run's."""
+    reference = references.folder(lora_dropout=0.0)
+    run = copy_run(reference, tmp_path / "run", shard=True)
+    assert "(sharded: FSDP2)" in run_trainer(run)
+    assert final(run) == final(reference)
+
+
+@pytest.mark.slow  # a bake of 2 processes killed and baked again
+def test_sharded_bake_killed_resumes_exactly(project, tmp_path, references):
+    whole = references.folder(lora_dropout=0.0, processes=2, shard=True)
+    project.write(lora_dropout=0.0, processes=2, shard=True)
+    runs = tmp_path / "killed"
+    kill_bake_at(runs, project.plan_path, 5)
+    again = bake_json(str(project.plan_path), "--runs", str(runs))
+    assert "resuming from step-000003" in (runs / "tiny" / "log.txt").read_text()
+    assert again["state"] == "done"
+    assert final(runs / "tiny") == final(whole)

@@ -17,6 +17,9 @@ The estimate, in bytes, with the plan's settings counted::
                   softmax, gradient). With gradient checkpointing, only each layer's input
                   (h a token) is kept, plus one layer's worth recomputed in the backward.
     runtime       torch and transformers themselves (~0.5 GiB), and a CUDA context on GPU
+    shards        under train.shard (FSDP2 over N processes), each holds 1/N of the weights
+                  and of the training state, plus the whole of the largest layer twice (the
+                  one computing and the next one being gathered)
 
 It is compared with what the device has free: the machine's available memory (psutil) on
 CPU, the chosen GPU's free memory (``nvidia-smi``, no torch import) on CUDA, less a
@@ -168,7 +171,8 @@ NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits a weight; an 8-bit scale per
 
 def estimate(shape: Shape, *, lora: bool, lora_r: int, targets: list[str], micro_batch_size: int,
              gradient_accumulation_steps: int, sequence_len: int, device: str, total_memory: int,
-             qlora: bool = False, bf16: bool | str = False, gradient_checkpointing: bool = False) -> Estimate:
+             qlora: bool = False, bf16: bool | str = False, gradient_checkpointing: bool = False,
+             shards: int = 1) -> Estimate:
     f32 = 4
     half = (bf16 is True) or (bf16 == "auto" and device == "cuda")
     act = 2 if half else f32
@@ -187,6 +191,12 @@ def estimate(shape: Shape, *, lora: bool, lora_r: int, targets: list[str], micro
     else:
         trainable_params = shape.params
     trainable = trainable_params * f32 * 3  # its gradient and AdamW's two moments
+    if shards > 1:
+        # FSDP2: a shard of everything, and two layers (or the embeddings) gathered whole
+        width = 2 if half and lora else f32
+        gathered = 2 * max(per_layer_linear, shape.vocab * shape.hidden) * width
+        weights = -(-weights // shards) + gathered
+        trainable = -(-trainable // shards)
     tokens = micro_batch_size * sequence_len
     per_token = (6 * shape.hidden + 2 * shape.kv + 4 * shape.intermediate) * act
     scores = 0 if device == "cuda" else micro_batch_size * shape.heads * sequence_len * sequence_len * act
@@ -211,7 +221,8 @@ def estimate(shape: Shape, *, lora: bool, lora_r: int, targets: list[str], micro
 def fit(shape: Shape, *, lora: bool, lora_r: int, targets: list[str], micro_batch_size: int,
         gradient_accumulation_steps: int, sequence_len: int, device: str | None = None,
         total_memory: int | None = None, qlora: bool = False, bf16: bool | str = False,
-        gradient_checkpointing: bool = False, device_setting: str = "auto", processes: int = 1) -> Estimate:
+        gradient_checkpointing: bool = False, device_setting: str = "auto", processes: int = 1,
+        shards: int = 1) -> Estimate:
     """The largest micro-batch (halving from the plan's) that fits, with gradient
     accumulation raised to keep the plan's examples per step. Refuses, in one line with
     the numbers, when even a micro-batch of one does not fit.
@@ -229,7 +240,7 @@ def fit(shape: Shape, *, lora: bool, lora_r: int, targets: list[str], micro_batc
         est = estimate(shape, lora=lora, lora_r=lora_r, targets=targets, micro_batch_size=mbs,
                        gradient_accumulation_steps=gas, sequence_len=sequence_len, device=device,
                        total_memory=total_memory, qlora=qlora, bf16=bf16,
-                       gradient_checkpointing=gradient_checkpointing)
+                       gradient_checkpointing=gradient_checkpointing, shards=shards)
         if est.fits:
             return est
         # halve while the examples of a step still split evenly (and, with several
@@ -241,6 +252,8 @@ def fit(shape: Shape, *, lora: bool, lora_r: int, targets: list[str], micro_batc
     lower = "lower train.sequence_len"
     if not gradient_checkpointing:
         lower += ", set train.gradient_checkpointing"
+    if shards == 1 and processes > 1 and not qlora:
+        lower += ", set train.shard"
     if not lora:
         lower += ", use adapter lora"
     elif not qlora:

@@ -193,6 +193,8 @@ def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: di
         "liger_glu_activation": train.liger or None,
         "liger_fused_linear_cross_entropy": train.liger or None,
         "plugins": ["axolotl.integrations.liger.LigerPlugin"] if train.liger else None,
+        # the built-in trainer's own: FSDP2 (train.shard; refused with Axolotl)
+        "shard": train.shard or None,
     }
     return {k: v for k, v in cfg.items() if v is not None}
 
@@ -228,6 +230,7 @@ def size(train: TrainSettings, base_folder: Path):
         gradient_checkpointing=train.gradient_checkpointing,
         device_setting=train.device,
         processes=train.processes,
+        shards=train.processes * train.nodes if train.shard else 1,
         lora_r=train.lora_r,
         targets=list(train.lora_target_modules),
         micro_batch_size=train.micro_batch_size,

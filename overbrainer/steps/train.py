@@ -70,8 +70,14 @@ def inputs(bake: Bake) -> dict:
     # the run is what the config says, with the base model known by its content rather
     # than by where the cache put it: a cache moved elsewhere retrains nothing
     cfg["base_model"] = outputs_digest(base)
+    out = {"config": cfg, "examples": outputs_digest(split)}
+    if cfg.get("shard"):
+        # a sharded run's checkpoints are whole (gathered), and a step's math does not
+        # depend on how many processes share it: another world size resumes the same run,
+        # as another device does (the same math, other bits)
+        return out
     # the world size changes the arithmetic (gradients are all-reduced): exact per size
-    out = {"config": cfg, "examples": outputs_digest(split), "processes": bake.plan.train.processes}
+    out["processes"] = bake.plan.train.processes
     # so does the number of nodes (read from the JSON form: the up-to-date check has the
     # remembered plan, without pydantic)
     where = bake.plan.where

@@ -7,6 +7,9 @@
     model.safetensors           instead of the two above, for a full fine-tune
     config.json                 (full fine-tune only) the model's config
     trainer_state.pt            optimizer, scheduler and every RNG state: exact resume.
+                                Under train.shard the optimizer state is gathered whole
+                                and keyed by parameter name (torch.distributed.checkpoint's
+                                full state dict), so it fits any world size
     rng-rankN.pt                (several processes) each rank's RNG state
                                 Tensors, numbers and strings only: read with
                                 torch.load(weights_only=True)
@@ -114,8 +117,10 @@ def rng_state() -> dict:
     import torch
 
     state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_initialized():
+        # this process's GPU only: asking for every GPU's state would open a CUDA context
+        # on each (under torchrun, every rank on every GPU), and a CPU run none at all
+        state["cuda_device"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -123,22 +128,29 @@ def set_rng_state(state: dict) -> None:
     import torch
 
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
+    if not torch.cuda.is_initialized():  # training on the CPU: its GPU's generator is not used
+        return
+    if "cuda_device" in state:
+        torch.cuda.set_rng_state(state["cuda_device"])  # the current device: the trainer set it
+    elif "cuda" in state:  # checkpoints before: every GPU's
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(checkpoints: Path, step: int, model, optimizer, scheduler, meta: dict) -> Path:
-    """Write checkpoint `step` atomically. `model` is the PEFT model (LoRA) or the model."""
+def save(checkpoints: Path, step: int, model, optimizer, scheduler, meta: dict,
+         weights: dict | None = None, optimizer_state: dict | None = None) -> Path:
+    """Write checkpoint `step` atomically. `model` is the PEFT model (LoRA) or the model;
+    `weights` and `optimizer_state`, when given, are what is saved of them (a sharded
+    model's, gathered: its own parameters are slices)."""
     import torch
 
     final = step_dir(checkpoints, step)
     tmp = tmp_dir(checkpoints, step)
     tmp.mkdir(parents=True, exist_ok=True)  # other ranks may have put their RNG in
     # PEFT writes the adapter alone; a plain model writes its weights and config
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, **({} if weights is None else {"state_dict": weights}))
     faults.point("checkpoint:between-files")
     torch.save(
-        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
+        {"optimizer": optimizer.state_dict() if optimizer_state is None else optimizer_state, "scheduler": scheduler.state_dict(), "rng": rng_state()},
         tmp / STATE,
     )
     # the sidecar, last, names every file with its hash: a checkpoint altered or cut short
@@ -167,6 +179,10 @@ def save_rank_rng(checkpoints: Path, step: int, rank: int) -> None:
     tmp = tmp_dir(checkpoints, step)
     tmp.mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), tmp / f"rng-rank{rank}.pt")
+
+
+def has_rank_rng(folder: Path, rank: int) -> bool:
+    return (folder / f"rng-rank{rank}.pt").is_file()
 
 
 def load_rank_rng(folder: Path, rank: int) -> dict:

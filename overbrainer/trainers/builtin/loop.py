@@ -30,7 +30,7 @@ from ..dist import World
 from ..examples import Example, Order, collate, load_examples, micro_batches
 from ..samples import answer, is_sample_step, prompt_text
 from . import device as hw
-from .model import Decoder, TokenLoss, load_model, load_weights
+from .model import Decoder, TokenLoss, decoder_layers, load_model, load_weights
 
 STOP_EXIT = 0  # a stop on request is a success: the stopped marker says it was not the end
 OOM_EXIT = 5
@@ -67,7 +67,7 @@ class Training:
     device: torch.device
     bf16: bool
     model: torch.nn.Module  # the PEFT model (LoRA) or the model: what checkpoints hold
-    decoder: torch.nn.Module  # what the loop calls: `Decoder(model)`, under DDP with several processes
+    decoder: torch.nn.Module  # what the loop calls: `Decoder(model)`, under DDP or FSDP2 with several processes
     loss: TokenLoss
     train_set: list[Example]
     val_set: list[Example]
@@ -98,7 +98,8 @@ class Training:
 def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = False) -> Training:
     """The model on its device, the data, the optimizer and the schedule; then the newest
     complete checkpoint's state, when there is one."""
-    world = World()
+    # shard alone (the plan refuses it: nothing to share) still runs FSDP2, in a world of one
+    world = World(shard=bool(cfg.get("shard")))
     try:
         device = hw.pick(device, world.local_rank)
     except hw.Unavailable as e:
@@ -107,7 +108,12 @@ def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = 
     world.connect(device)
     torch.manual_seed(cfg["seed"])  # the same initial adapter on every rank
     bf16 = hw.use_bf16(cfg.get("bf16", False), device)
-    model, tokenizer = load_model(cfg, device, bf16)
+    # sharded, every rank builds the model in host memory and `fully_shard` moves its own
+    # slice of each layer to the device: the whole model is never on one GPU
+    model, tokenizer = load_model(cfg, torch.device("cpu") if world.shard else device, bf16, sharded=world.shard)
+    found = checkpoint_to_resume(cfg, run_dir, world)
+    if found:
+        load_weights(model, found[1], cfg)  # into the whole model, before it is sharded
     if world.size > 1:
         torch.manual_seed(cfg["seed"] + 7919 * world.rank)  # but its own dropout
     # config.yaml's datasets and test_datasets, as Axolotl reads them
@@ -120,9 +126,16 @@ def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = 
     if dropped and world.main:
         print(f"{dropped} conversations dropped: nothing of the assistant left within sequence_len", flush=True)
     mbs, gas = cfg["micro_batch_size"], cfg["gradient_accumulation_steps"]
+    if gas % world.size:  # the plan checks it; a rank without a micro-batch would hang the others
+        raise GiveUp(f"config.yaml: gradient_accumulation_steps {gas} cannot be shared equally by {world.size} "
+                     f"processes; make it a multiple of {world.size}", 2)
     lengths = [len(e.ids) for e in train_set] if cfg.get("group_by_length") else None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
+    fused_loss = bool(cfg.get("liger_fused_linear_cross_entropy"))
+    loss = TokenLoss(fused=fused_loss, mask=device.type != "cuda")
+    decoder = world.wrap(Decoder(model, loss), device, layers=decoder_layers(model), bf16=bf16)
+    # after the wrap: sharded, the parameters are this rank's slices (DTensors)
     params = [p for p in model.parameters() if p.requires_grad]
     # fused AdamW (one kernel for every parameter) where torch has it for the device; on
     # the CPU the loop keeps the per-parameter one, whose bits every CPU checkpoint holds
@@ -130,35 +143,49 @@ def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = 
     optimizer = torch.optim.AdamW(params, lr=cfg["learning_rate"], weight_decay=cfg["weight_decay"], **fused)
     scheduler = make_schedule(optimizer, cfg["warmup_steps"], cfg["lr_scheduler_kwargs"]["num_stable_steps"],
                               cfg["lr_scheduler_kwargs"]["num_decay_steps"])
-    fused_loss = bool(cfg.get("liger_fused_linear_cross_entropy"))
     t = Training(
-        cfg=cfg, run_dir=run_dir, world=world, device=device, bf16=bf16, model=model,
-        decoder=world.wrap(Decoder(model), device), loss=TokenLoss(fused=fused_loss, mask=device.type != "cuda"),
+        cfg=cfg, run_dir=run_dir, world=world, device=device, bf16=bf16, model=model, decoder=decoder, loss=loss,
         train_set=train_set, val_set=val_set, order=Order(len(train_set), mbs * gas, cfg["seed"], lengths),
         pad_id=pad_id, params=params, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
     )
-    resume(t)
+    if found:
+        resume(t, *found)
     return t
 
 
-def resume(t: Training) -> None:
-    """Take up the newest complete, intact checkpoint: weights, optimizer (its state mapped
-    onto this run's device, whatever device saved it), schedule, RNG and counters."""
-    if t.world.main:
-        ckpt.remove_partial(t.checkpoints)
-        ckpt.latest_intact(t.checkpoints, say=lambda m: print(m, flush=True))
-    t.world.barrier()
-    done = ckpt.complete(t.checkpoints)
+def checkpoint_to_resume(cfg: dict, run_dir: Path, world: World) -> tuple[int, Path, dict] | None:
+    """The newest complete, intact checkpoint (step, folder, sidecar), if this world can
+    take it up: the same number of processes, or any number for a sharded run's (its
+    state is whole)."""
+    checkpoints = run_dir / cfg["output_dir"]
+    if world.main:
+        ckpt.remove_partial(checkpoints)
+        ckpt.latest_intact(checkpoints, say=lambda m: print(m, flush=True))
+    world.barrier()
+    done = ckpt.complete(checkpoints)
     if not done:
-        return
+        return None
     step, folder = done[-1]
     meta = ckpt.read_meta(folder)
-    if meta.get("world_size", 1) != t.world.size:
-        raise GiveUp(f"{folder.name} was made by {meta.get('world_size', 1)} processes, not {t.world.size}: "
-                     f"set train.processes back to {meta.get('world_size', 1)} to resume it", 2)
-    load_weights(t.model, folder, t.cfg)
+    made = meta.get("world_size", 1)
+    if bool(meta.get("shard")) != world.shard:
+        how = "with" if meta.get("shard") else "without"
+        raise GiveUp(f"{folder.name} was made {how} train.shard: set train.shard back to "
+                     f"{'true' if meta.get('shard') else 'false'} to resume it", 2)
+    if made != world.size and not world.shard:
+        raise GiveUp(f"{folder.name} was made by {made} processes, not {world.size}: "
+                     f"set train.processes back to {made} to resume it", 2)
+    return step, folder, meta
+
+
+def resume(t: Training, step: int, folder: Path, meta: dict) -> None:
+    """Take up a checkpoint's optimizer (its state mapped onto this run's device, whatever
+    device saved it), schedule, RNG and counters; its weights are in the model already."""
     state = ckpt.load_state(folder)  # on the CPU: optimizer.load_state_dict moves it to the params
-    t.optimizer.load_state_dict(state["optimizer"])
+    if t.world.shard:
+        t.world.load_optimizer(t.decoder, t.optimizer, state["optimizer"])
+    else:
+        t.optimizer.load_state_dict(state["optimizer"])
     t.scheduler.load_state_dict(state["scheduler"])
     # the next step's learning rate from this run's schedule, not the one saved: a checkpoint
     # of the stable phase may come from a run of another length (the train step's
@@ -167,11 +194,20 @@ def resume(t: Training) -> None:
     for group, lr in zip(t.optimizer.param_groups, rates):
         group["lr"] = lr
     t.scheduler._last_lr = rates
-    ckpt.set_rng_state(state["rng"] if t.world.size == 1 else ckpt.load_rank_rng(folder, t.world.rank))
+    if t.world.size == 1:
+        ckpt.set_rng_state(state["rng"])
+    elif ckpt.has_rank_rng(folder, t.world.rank):
+        ckpt.set_rng_state(ckpt.load_rank_rng(folder, t.world.rank))
+    else:
+        # a rank the checkpoint's (smaller) world did not have: a dropout stream of its own
+        torch.manual_seed(t.cfg["seed"] + 7919 * t.world.rank + 104729 * step)
     t.step, t.saved_step = step, step
     t.tokens, t.seconds = meta["tokens"], meta["seconds"]
     t.last = {"loss": meta.get("loss"), "eval_loss": meta.get("eval_loss")}
     moved = f", saved on {meta['device']}" if meta.get("device", str(t.device)) != str(t.device) else ""
+    made = meta.get("world_size", 1)
+    if made != t.world.size:
+        moved += f", by {made} processes"
     print(f"resuming from {folder.name} (step {step} of {t.cfg['max_steps']}{moved})", flush=True)
 
 
@@ -205,15 +241,19 @@ def evaluate(t: Training) -> float | None:
     """Mean loss per assistant token over the validation set (shared by the ranks)."""
     if not t.val_set:
         return None
-    decoder = getattr(t.decoder, "module", t.decoder)  # no gradients: no DDP
+    decoder = getattr(t.decoder, "module", t.decoder)  # no gradients: no DDP (FSDP2 gathers: its own)
     t.model.eval()
     total = torch.zeros((), dtype=torch.float64, device=t.device)
     count = 0
-    for micro in t.world.mine(micro_batches(t.val_set, t.cfg["micro_batch_size"])):
+    mine, counted = t.world.even(micro_batches(t.val_set, t.cfg["micro_batch_size"]))
+    for micro in mine[:counted]:
         inputs = hw.to_device(collate(micro, t.pad_id), t.device)
         with hw.compute(t.bf16, t.device):
             total += t.loss(decoder, inputs)
         count += sum(e.loss_tokens for e in micro)
+    for micro in mine[counted:]:  # sharded, a rank short of a micro-batch still joins the gathers
+        with hw.compute(t.bf16, t.device):
+            t.loss(decoder, hw.to_device(collate(micro, t.pad_id), t.device))
     t.model.train()
     return t.world.sum(total.item()) / max(t.world.sum(count), 1)
 
@@ -241,7 +281,12 @@ def take_samples(t: Training, path: Path) -> float:
 
 def save(t: Training, k: int) -> None:
     """Checkpoint step `k`: every rank's RNG goes in, then rank 0 writes the rest and
-    renames the folder into place (checkpoint.py: never half there)."""
+    renames the folder into place (checkpoint.py: never half there). Sharded, the
+    weights and optimizer state are gathered to rank 0 first (every rank takes part)."""
+    weights = optimizer_state = None
+    if t.world.shard:
+        weights, optimizer_state = t.world.full_state(t.decoder, t.optimizer, trainable_only=bool(t.cfg.get("adapter")))
+        weights = {k[len("model."):]: v for k, v in weights.items() if k.startswith("model.")}  # Decoder's own prefix
     if t.world.size > 1:
         t.world.barrier()
         ckpt.save_rank_rng(t.checkpoints, k, t.world.rank)
@@ -275,12 +320,13 @@ def save(t: Training, k: int) -> None:
         "adapter": cfg.get("adapter") or "full",
         "base_model": cfg["base_model"],
         "world_size": t.world.size,
+        "shard": t.world.shard,
         "device": str(t.device),
         "bf16": t.bf16,
         "peak_memory": hw.peak_memory(t.device),
     }
     try:
-        ckpt.save(t.checkpoints, k, t.model, t.optimizer, t.scheduler, meta)
+        ckpt.save(t.checkpoints, k, t.model, t.optimizer, t.scheduler, meta, weights, optimizer_state)
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise
@@ -331,6 +377,7 @@ def train(config_path: Path, device: str = "auto", deterministic: bool = False) 
         f"{cfg['gradient_accumulation_steps']} on {t.device}"
         + (", computing in bf16" if t.bf16 else "")
         + (f" shared by {world.size} processes" if world.size > 1 else "")
+        + (" (sharded: FSDP2)" if world.shard else "")
     )
 
     t.model.train()

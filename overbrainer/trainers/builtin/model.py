@@ -16,8 +16,10 @@ import torch.nn.functional as F
 from ..examples import IGNORE, tokenizer_settings
 
 
-def load_model(cfg: dict, device: torch.device, bf16: bool):
-    """(model, tokenizer): the model on `device`, its trained parameters in float32."""
+def load_model(cfg: dict, device: torch.device, bf16: bool, sharded: bool = False):
+    """(model, tokenizer): the model on `device`, its trained parameters in float32.
+    `sharded` (FSDP2's to place): every weight in float32, as FSDP2 wants a layer's
+    weights in one dtype; its mixed-precision policy gathers them in bf16."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
@@ -30,7 +32,7 @@ def load_model(cfg: dict, device: torch.device, bf16: bool):
     adapter = cfg.get("adapter")
     # a LoRA's base is frozen: in bf16 it is read as it is (no cast per step, half the
     # memory); the adapter and its optimizer stay float32, as every trained weight does
-    dtype = torch.bfloat16 if bf16 and adapter else torch.float32
+    dtype = torch.bfloat16 if bf16 and adapter and not sharded else torch.float32
     extra = {}
     if adapter == "qlora":
         from transformers import BitsAndBytesConfig
@@ -136,11 +138,13 @@ class TokenLoss:
             self.flce = LigerFusedLinearCrossEntropyLoss(reduction="sum", accum_dtype=torch.float32)
 
     def __call__(self, decoder, inputs: dict) -> torch.Tensor:
-        """`decoder`: a `Decoder`, or DDP's wrapper of one (its hooks sit on the wrapper's forward)."""
-        hidden = decoder(inputs["input_ids"], inputs["attention_mask"] if self.mask else None)
-        targets = inputs["labels"][:, 1:]
+        """`decoder`: a `Decoder`, or the DDP or FSDP2 module around one."""
+        mask = inputs["attention_mask"] if self.mask else None
+        return decoder(inputs["input_ids"], mask, inputs["labels"])
+
+    def of(self, hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor) -> torch.Tensor:
+        targets = labels[:, 1:]
         where = targets != IGNORE
-        head = getattr(decoder, "module", decoder).head
         kept = hidden[:, :-1][where]
         if self.fused:
             # Liger's kernel is an autograd function autocast does not reach: the weight in
@@ -156,18 +160,21 @@ def transformers_model(model):
 
 
 class Decoder(torch.nn.Module):
-    """The model as the loop runs it: its forward is the decoder's, to the last hidden
-    states; the output layer (`head`) is the loss's, applied where there are labels. A
-    module of its own, so that DDP wraps exactly what the loop calls."""
+    """The model as the loop runs it: input ids and labels in, the summed loss out. The
+    decoder runs to the last hidden states and the output layer (`head`) only where there
+    are labels (`TokenLoss.of`). A module of its own, so that DDP and FSDP2 wrap exactly
+    what the loop calls: the whole forward, the loss included, is inside their hooks."""
 
-    def __init__(self, model):
+    def __init__(self, model, loss: TokenLoss | None = None):
         super().__init__()
         self.model = model  # the PEFT model or the plain one: what is saved and merged
         self.head = transformers_model(model).get_output_embeddings()
+        self.token_loss = loss or TokenLoss()
 
-    def forward(self, input_ids, attention_mask=None):
+    def forward(self, input_ids, attention_mask=None, labels=None):
         decoder = transformers_model(self.model).get_decoder()
-        return decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.token_loss.of(hidden, self.head, labels)
 
 
 def load_weights(model, folder: Path, cfg: dict) -> None:
