@@ -171,13 +171,19 @@ def app(root: Path, token: str) -> Starlette:
             return JSONResponse({"error": "no such run"}, 404)
         return JSONResponse({"lines": [r for r in run.records() if "step" in r]})
 
-    async def action(request: Request) -> Response:
+    def acted_on(request: Request) -> Run | Response:
+        """The run an action names, or the refusal: 403 without the token or cross-origin,
+        404 for no such run."""
         why = allowed(request)
         if why:
             return JSONResponse({"error": why}, 403)
         run = run_of(request)
-        if run is None:
-            return JSONResponse({"error": "no such run"}, 404)
+        return run if run is not None else JSONResponse({"error": "no such run"}, 404)
+
+    async def action(request: Request) -> Response:
+        run = acted_on(request)
+        if isinstance(run, Response):
+            return run
         what = request.url.path.rsplit("/", 1)[-1]
         try:
             if what == "stop":
@@ -207,12 +213,9 @@ def app(root: Path, token: str) -> Starlette:
         return {"answer": said, "note": note}
 
     async def chat(request: Request) -> Response:
-        why = allowed(request)
-        if why:
-            return JSONResponse({"error": why}, 403)
-        run = run_of(request)
-        if run is None:
-            return JSONResponse({"error": "no such run"}, 404)
+        run = acted_on(request)
+        if isinstance(run, Response):
+            return run
         try:
             body = await request.json()
             messages = body["messages"]
