@@ -52,7 +52,8 @@ def test_bake_makes_every_artifact(baked):
     assert lines[-1]["tokens"] > lines[0]["tokens"] > 0
 
     plan = json.loads((folder / "plan.json").read_text())
-    assert plan["train"]["learning_rate"] == 0.003 and plan["train"]["schedule"] == {"warmup": 0.1, "decay": 0.2}
+    assert plan["train"]["learning_rate"] == 0.003 and plan["train"]["schedule"] == {
+        "warmup": 0.1, "decay": 0.2, "warmup_steps": None, "decay_steps": None}
     assert len(plan["resolved"]["data"][0]["hash"]) == 64
     assert plan["resolved"]["base"]["kind"] == "folder" and plan["resolved"]["base"]["pin"]
 
