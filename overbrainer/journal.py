@@ -60,7 +60,7 @@ def load(folder: RunFolder) -> dict:
     repair) when it cannot be read or a field has the wrong type."""
     try:
         text = folder.run_json.read_bytes()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no run there (yet): the caller says why
         return {}
     except OSError as e:
         raise Damaged(f"{folder.run_json} cannot be read ({e.strerror or e}); fix its permissions") from None

@@ -202,6 +202,9 @@ def test_every_command_takes_runs_before_or_after_its_name():
     for name, command in sub.choices.items():
         positionals = [a for a in command._actions if not a.option_strings and a.nargs not in ("?", "*")]
         dummies = ["x"] * len(positionals)
+        for a in command._actions:  # options a command cannot go without (decay --at)
+            if a.option_strings and a.required:
+                dummies += [a.option_strings[0], "1"]
         after = top.parse_args([name, *dummies, "--runs", "after", "--no-color"])
         assert after.runs == "after" and after.no_color, name
         before = top.parse_args(["--runs", "before", name, *dummies])
