@@ -117,7 +117,7 @@ ROW_ERRORS = [
     (
         "content_null",
         '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null}]}',
-        "message 2's 'content' is a null, not a string",
+        "message 2's 'content' is null, not a string",
     ),
     (
         "empty_content",
