@@ -88,7 +88,8 @@ def copy_run(reference: Path, run: Path, checkpoints: tuple[str, ...] = (), **co
     import yaml
 
     run.mkdir()
-    shutil.copy(reference / "examples.parquet", run)
+    for data in reference.glob("*.parquet"):  # examples and the split files config.yaml names
+        shutil.copy(data, run)
     cfg = yaml.safe_load((reference / "config.yaml").read_text())
     (run / "config.yaml").write_text(yaml.safe_dump({**cfg, **config}))
     for name in checkpoints:
