@@ -76,10 +76,12 @@ def kill_during(runs: Path, plan: Path, metrics: Path, lines: int) -> None:
     import psutil
 
     proc = subprocess.Popen([sys.executable, "-m", "overbrainer.cli", "bake", str(plan), "--foreground", "--runs", str(runs)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 600
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= lines):
-        assert proc.poll() is None and time.monotonic() < deadline, "the bake ended before it could be killed"
+        if proc.poll() is not None:
+            raise AssertionError(f"the bake ended before it could be killed: {proc.stderr.read()}")
+        assert time.monotonic() < deadline, "the bake did not reach the step to kill it at"
         time.sleep(0.02)
     children = psutil.Process(proc.pid).children(recursive=True)
     proc.send_signal(signal.SIGKILL)

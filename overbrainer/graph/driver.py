@@ -161,7 +161,7 @@ def claim_done(bake: Bake, done: Outcome) -> None:
     Anything else is an error on `done`, never a success over a missing target."""
     from ..errors import RunFailed
     from ..stamps import read_stamp, verify
-    from .tasks import STEPS
+    from .tasks import graph_of
 
     if done.error is not None or done.signalled is not None:
         return
@@ -169,7 +169,7 @@ def claim_done(bake: Bake, done: Outcome) -> None:
         done.error = RunFailed(f"{bake.folder.root}: doit ended with exit code {done.code} before every step was "
                                f"checked; see the lines above, then bake again")
         return
-    for module in STEPS:
+    for module in graph_of(bake)[0]:  # the plan's steps: with budgets, each branch's instead of merge and bake
         stamp = read_stamp(bake.folder.stamp(module.NAME))
         problem = "it has no stamp" if stamp is None else verify(stamp, bake.hashes, bake.folder.root)
         if problem:

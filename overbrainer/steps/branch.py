@@ -33,7 +33,15 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from ..errors import OverbrainerError
-from ..folder import BRANCHES, CHECKPOINTS, EXAMPLES, META, BranchFolder
+from ..folder import (
+    BRANCHES,
+    CHECKPOINTS,
+    EXAMPLES,
+    META,
+    TRAIN_SPLIT,
+    VALIDATION_SPLIT,
+    BranchFolder,
+)
 from ..hashing import hash_bytes
 from ..stamps import Stamp, fingerprint
 from ..trainers import checkpoint as ckpt
@@ -154,7 +162,7 @@ class Step:
 
 
 def prepare(bake: Bake, folder: BranchFolder, inputs: dict) -> None:
-    """The branch's folder, ready for the trainer: examples.parquet (hard-linked), its
+    """The branch's folder, ready for the trainer: examples.parquet and its split files (hard-linked), its
     config.yaml, and the trunk's checkpoint at its decay start with the trunk's metrics up
     to it, unless the branch has it already."""
     import yaml
@@ -164,13 +172,15 @@ def prepare(bake: Bake, folder: BranchFolder, inputs: dict) -> None:
 
     folder.root.mkdir(parents=True, exist_ok=True)
     folder.stop_request.unlink(missing_ok=True)  # a stop asked of an earlier bake
-    examples = folder.root / EXAMPLES
-    trunk_examples = bake.folder.examples
-    if not (examples.exists() and os.path.samestat(examples.stat(), trunk_examples.stat())):
-        tmp = folder.root / f".tmp-{EXAMPLES}"
+    # the examples and the split files the config names, as the trunk has them
+    for name in (EXAMPLES, TRAIN_SPLIT, VALIDATION_SPLIT):
+        mine, trunks = folder.root / name, bake.folder.root / name
+        if not trunks.exists() or (mine.exists() and os.path.samestat(mine.stat(), trunks.stat())):
+            continue
+        tmp = folder.root / f".tmp-{name}"
         tmp.unlink(missing_ok=True)
-        link_or_copy(trunk_examples, tmp)
-        os.replace(tmp, examples)
+        link_or_copy(trunks, tmp)
+        os.replace(tmp, mine)
     full = upstream(bake, "config").summary["config"]  # with the keys that say how it computes
     cfg = branch_config(full, spec(bake, folder.label))
     header = f"# written by overbrainer for branch {folder.label} of {bake.folder.name}; edits are overwritten\n"
