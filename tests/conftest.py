@@ -23,6 +23,8 @@ def pytest_addoption(parser):
     parser.addoption("--kill-matrix", action="store_true", help="run every case of tests/reliability/")
     parser.addoption("--tamper-matrix", action="store_true",
                      help="run every case of tests/reliability/test_tamper_matrix.py")
+    parser.addoption("--slurm-limits", action="store_true",
+                     help="run the Slurm tests that wait out a real time limit or a requeue (minutes each)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -31,6 +33,11 @@ def pytest_collection_modifyitems(config, items):
     (.venv/overbrainer-tools/, or $OVERBRAINER_LLAMA_CPP), or when ``-m`` names them (they
     build it: tens of minutes on 2 cores, too long for every fresh checkout)."""
     _skip_unbuilt_llama_cpp(config, items)
+    if not config.getoption("--slurm-limits"):
+        waits = pytest.mark.skip(reason="waits out Slurm's real time limit or a requeue: pytest --slurm-limits runs it")
+        for item in items:
+            if "slurm_limits" in item.keywords:
+                item.add_marker(waits)
     marked = [item for item in items if "gpu" in item.keywords]
     if not marked:
         return

@@ -314,6 +314,7 @@ def test_the_time_limit_warning_checkpoints_and_the_next_job_goes_on(plan, refer
 
 
 @pytest.mark.slow  # Slurm's own time limit: a minute or two of waiting for its warning
+@pytest.mark.slurm_limits
 def test_a_real_time_limit_ends_the_job_mid_run_and_the_next_job_finishes_it(plan, reference, cluster):
     """--time=4 with --signal=B:USR1@150: slurmctld itself warns the job 90 to 120 s in (it
     looks at time limits every 30 s or so; a loaded machine takes most of a minute to start
@@ -340,6 +341,7 @@ def test_a_real_time_limit_ends_the_job_mid_run_and_the_next_job_finishes_it(pla
 
 
 @pytest.mark.slow  # a requeue: Slurm's SIGTERM, its KillWait, then the job again
+@pytest.mark.slurm_limits
 def test_a_requeued_job_goes_on_from_its_checkpoint(plan, reference, cluster):
     """"requeue": true, then `scontrol requeue` (what a preemption with PreemptMode=REQUEUE
     does): the job gets SIGTERM, the trainer saves and ends, Slurm runs job.sh again under
