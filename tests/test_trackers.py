@@ -119,6 +119,8 @@ def test_tracker_that_fails_mid_run_warns_once(tmp_path):
     from overbrainer.trackers import Mirror
 
     folder = RunFolder(tmp_path / "runs" / "x")
+    folder.root.mkdir(parents=True)
+    journal.update(folder, state="running")  # as the bake that follows the trainer has it
     said = []
     mirror = Mirror(["mlflow"], folder, "f" * 64, {"name": "x"}, said.append)
     line = {"step": 1, "tokens": 10, "loss": 2.0, "lr": 0.1, "eval_loss": None, "seconds": 1.0, "phase": "warmup"}
