@@ -7,10 +7,11 @@ the model was made from, how, how the losses went, and how to use each file in `
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from huggingface_hub import ModelCard
+
+from ..portable.common import read_json_lines
 
 __all__ = ["read_metrics", "metrics_table", "plot_loss", "model_card", "card_data"]
 
@@ -22,18 +23,7 @@ PHASE_COLORS = {"warmup": "#f4a261", "stable": "#8ab6d6", "decay": "#90be6d"}
 def read_metrics(path: Path) -> list[dict]:
     """The metric lines, one per step (the last line of a step wins), in step order. A torn
     last line (a killed trainer) is skipped."""
-    by_step: dict[int, dict] = {}
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return []
-    for raw in lines:
-        try:
-            m = json.loads(raw)
-        except ValueError:
-            continue
-        if isinstance(m, dict) and isinstance(m.get("step"), int):
-            by_step[m["step"]] = m
+    by_step = {m["step"]: m for m in read_json_lines(path) if isinstance(m.get("step"), int)}
     return [by_step[s] for s in sorted(by_step)]
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from . import faults
 
 __all__ = [
-    "NO_METRICS_EXIT", "METRICS", "LOG", "STOP", "STOPPED", "TRAINER_ERROR", "META", "now", "die_with_parent", "write_atomic", "write_json", "read_json",
+    "NO_METRICS_EXIT", "METRICS", "LOG", "STOP", "STOPPED", "TRAINER_ERROR", "META", "now", "die_with_parent", "write_atomic", "write_json", "read_json", "read_json_lines",
     "fsync_dir", "fsync_tree", "log_line", "append_log", "has_metric_line", "truncate_metrics", "phase_of", "run_commands",
 ]
 
@@ -91,6 +91,24 @@ def read_json(path: str | os.PathLike):
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
+
+
+def read_json_lines(path: str | os.PathLike) -> list[dict]:
+    """The objects of a JSON Lines file, in file order: a line that is not a whole JSON
+    object (torn by a kill, still being written) left out; [] when it cannot be read."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    out = []
+    for raw in lines:
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            out.append(value)
+    return out
 
 
 def fsync_dir(folder: Path) -> None:

@@ -19,8 +19,9 @@ is the one greedy-or-sampled generation call: ``chat.Model`` answers with it too
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from ..portable.common import read_json_lines
 
 __all__ = ["is_sample_step", "complete", "answer", "prompt_text", "read_samples", "by_prompt"]
 
@@ -56,18 +57,8 @@ def answer(model, tokenizer, messages: list[dict], max_new_tokens: int, temperat
 
 def read_samples(path: Path) -> list[dict]:
     """samples.jsonl's lines, in step order (a line torn by a kill left out)."""
-    out = []
-    try:
-        raw = path.read_text().splitlines()
-    except OSError:
-        return []
-    for text in raw:
-        try:
-            line = json.loads(text)
-        except ValueError:
-            continue
-        if isinstance(line.get("step"), int) and isinstance(line.get("samples"), list):
-            out.append(line)
+    out = [line for line in read_json_lines(path)
+           if isinstance(line.get("step"), int) and isinstance(line.get("samples"), list)]
     return sorted(out, key=lambda line: line["step"])
 
 
