@@ -135,6 +135,12 @@ FAMILIES = {
                 "<s>", "</s>", "<unk>"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 512},
                GEMMA, ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<end_of_turn>", "<pad>"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 512,
+                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                # as every released Gemma 2: llama.cpp's converter drops lm_head and reads the embeddings
+                "tie_word_embeddings": True},
+               GEMMA, ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<end_of_turn>", "<pad>"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": None}, PHI3,
              # Phi-3's vocabulary has Llama's <unk> <s> </s> too; llama.cpp looks them up in a model named phi3
              ["<unk>", "<s>", "</s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"], None, "<|end|>",
@@ -142,26 +148,26 @@ FAMILIES = {
 }
 
 
+# families whose released tokenizers are SentencePiece models (``tokenizer.model``), which
+# llama.cpp's converter reads for them; the others get a byte-level BPE tokenizer
+SENTENCEPIECE = {"gemma2"}
+
+
 def make_tiny_family(family: str, folder: str | Path, seed: int = 0) -> Path:
-    """A 2-layer random model of `family` (a FAMILIES key) with a byte-level BPE tokenizer
-    carrying the family's special tokens and chat template."""
+    """A 2-layer random model of `family` (a FAMILIES key) with a tokenizer trained on a small
+    corpus (byte-level BPE, or SentencePiece where the family ships one) carrying the
+    family's special tokens and chat template."""
     import torch
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import GenerationConfig, PreTrainedTokenizerFast
+    from transformers import GenerationConfig
 
     config_cls, model_cls, extra, template, specials, bos, eos, pad = FAMILIES[family]
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    if bos:  # the family's tokenizer starts every text with it
-        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad)
+    if family in SENTENCEPIECE:
+        fast = _sentencepiece_tokenizer(folder, specials, bos, eos, pad)
+    else:
+        fast = _byte_level_tokenizer(specials, bos, eos, pad)
     fast.chat_template = template
     ids = {name: fast.convert_tokens_to_ids(t) if t else None for name, t in (("bos", bos), ("eos", eos), ("pad", pad))}
     settings = dict(
@@ -186,3 +192,40 @@ def make_tiny_family(family: str, folder: str | Path, seed: int = 0) -> Path:
         cfg["tokenizer_class"] = "GPT2Tokenizer"
         path.write_text(json.dumps(cfg, indent=1))
     return folder
+
+
+def _byte_level_tokenizer(specials: list[str], bos: str | None, eos: str, pad: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    if bos:  # the family's tokenizer starts every text with it
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad)
+
+
+def _sentencepiece_tokenizer(folder: Path, specials: list[str], bos: str, eos: str, pad: str):
+    """A SentencePiece BPE model with byte fallback, as Gemma's (pad, eos, bos, unk first, then
+    the turn markers), saved as ``folder/tokenizer.model``, and transformers' tokenizer of it.
+    Needs the sentencepiece package (the llama.cpp tools' site has it)."""
+    import sentencepiece
+    from transformers import AutoTokenizer
+
+    pad_piece, eos_piece, bos_piece, *turns = specials
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(_CORPUS * 4), model_prefix=str(folder / "tokenizer"), vocab_size=400,
+        model_type="bpe", byte_fallback=True, add_dummy_prefix=False, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, hard_vocab_limit=False, minloglevel=2,
+        pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece=pad_piece, eos_piece=eos_piece, bos_piece=bos_piece,
+        unk_piece="<unk>", user_defined_symbols=turns,
+    )
+    (folder / "tokenizer.vocab").unlink()
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GemmaTokenizer", "bos_token": bos, "eos_token": eos, "pad_token": pad,
+         "unk_token": "<unk>", "add_bos_token": True}))
+    return AutoTokenizer.from_pretrained(folder)

@@ -38,6 +38,7 @@ TESTED_ARCHITECTURES = {
     "MistralForCausalLM": "Mistral",
     "Qwen2ForCausalLM": "Qwen2/2.5",
     "Qwen3ForCausalLM": "Qwen3",
+    "Gemma2ForCausalLM": "Gemma 2",
     "Gemma3ForCausalLM": "Gemma 3",
     "Phi3ForCausalLM": "Phi-3",
 }
