@@ -74,7 +74,7 @@ def test_gguf_of_an_architecture_llama_cpp_cannot_convert_is_one_line():
     assert str(e.value) == (
         "bake.formats: gguf-f16 is not supported for OPTForCausalLM models: llama.cpp's converter does not "
         "know that architecture (supported: Llama (default and llama3 RoPE), Mistral, Qwen2/2.5, Qwen3, "
-        "Gemma 3, Phi-3, and the others in overbrainer/formats/llama_cpp_architectures.txt); "
+        "Gemma 2, Gemma 3, Phi-3, and the others in overbrainer/formats/llama_cpp_architectures.txt); "
         "remove it from bake.formats"
     )
     check_formats(["safetensors", "adapter"], opt)  # no GGUF asked: fine

@@ -133,3 +133,41 @@ def test_shipped_architecture_list_is_the_converters(tools):
 def test_marker_says_what_was_built(tools):
     marker = json.loads((tools / lc.MARKER).read_text())
     assert marker["llama_cpp_python"] == lc.LLAMA_CPP_PYTHON and marker["seconds"] > 0
+
+
+# a template of no family llama.cpp knows; its turns end with the tiny model's <|im_end|>
+ODD_TEMPLATE = (
+    "{% for message in messages %}{{ '### ' + message['role'] + ':\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '### assistant:\n' }}{% endif %}"
+)
+
+
+def test_llama_cpp_knows_each_familys_template_and_not_an_odd_one(tools):
+    for family, (*_, template, _specials, _bos, _eos, _pad) in FAMILIES.items():
+        assert lc.knows_template(tools, template), family
+    assert not lc.knows_template(tools, ODD_TEMPLATE)
+
+
+def test_a_template_llama_cpp_does_not_know_is_refused_before_training_unless_ollama_is_asked(tools, project, tmp_path):
+    from helpers import bake_json, cli
+
+    (project.root / "odd.jinja").write_text(ODD_TEMPLATE)
+    project.plan["chat_template"] = "odd.jinja"
+    project.plan["bake"] = {"formats": ["safetensors", "gguf-q4_k_m"]}
+    project.write()
+    env = {lc.ENV: str(tools)}
+    proc = cli("bake", str(project.plan_path), "--foreground", check=2, env=env)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "llama.cpp's own chat" in errors[0] and "the plan's chat_template (odd.jinja)" in errors[0]
+    assert '"ollama"' in errors[0]
+    run = tmp_path / "runs" / "tiny"  # $OVERBRAINER_RUNS
+    assert (run / ".stamps" / "split.json").is_file()  # the refusal came at the config step
+    assert not (run / "checkpoints").exists() and not (run / ".stamps" / "config.json").exists()
+
+    project.plan["bake"] = {"formats": ["gguf-q4_k_m", "ollama"]}
+    project.write(steps=2, save_every=2, eval_every=2)
+    report = bake_json(str(project.plan_path), "--foreground", env=env)
+    assert report["state"] == "done" and Path(report["folder"]) == run, report
+    modelfile = (run / "baked" / "Modelfile").read_text()
+    assert "TEMPLATE" not in modelfile.replace("# TEMPLATE", "") and "FROM ./tiny-q4_k_m.gguf" in modelfile

@@ -89,3 +89,4 @@ def check_formats(formats: list[str], base_config: dict, adapter: str = "lora") 
             f"does not know that architecture (supported: {', '.join(TESTED_ARCHITECTURES.values())}, and "
             f"the others in overbrainer/formats/llama_cpp_architectures.txt); remove {them} from bake.formats"
         )
+

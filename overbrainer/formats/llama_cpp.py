@@ -34,7 +34,7 @@ from ..errors import OverbrainerError
 from ..folder import cache_root
 from ..fsio import build_once
 
-__all__ = ["LLAMA_CPP_PYTHON", "llama_cpp_tools", "convert", "quantize", "site_path"]
+__all__ = ["LLAMA_CPP_PYTHON", "llama_cpp_tools", "convert", "quantize", "site_path", "knows_template", "check_gguf_template"]
 
 LLAMA_CPP_PYTHON = "0.3.36"
 # what the converter imports beyond this environment (llama.cpp's requirements-convert_*),
@@ -123,10 +123,7 @@ def _pip(cmd: list[str], what: str, log: Path | None, env: dict | None = None) -
 
 
 def _run(args: list[str], tools: Path, what: str, log: Path | None) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site_path(tools)), _package_root(),
-                                                                      os.environ.get("PYTHONPATH")]))}
-    env.pop("NO_LOCAL_GGUF", None)  # the converter's own gguf-py, never another
-    proc = subprocess.run([sys.executable, "-m", "overbrainer.formats._llama_cpp_run", *args], env=env,
+    proc = subprocess.run([sys.executable, "-m", "overbrainer.formats._llama_cpp_run", *args], env=_tools_env(tools),
                           capture_output=True, text=True)
     if log:
         with open(log, "a") as f:
@@ -134,6 +131,13 @@ def _run(args: list[str], tools: Path, what: str, log: Path | None) -> None:
     if proc.returncode != 0:
         lines = [x for x in proc.stderr.strip().splitlines() if x.strip()]
         raise LlamaCppError(f"gguf: llama.cpp could not {what}: {lines[-1] if lines else f'exit {proc.returncode}'}")
+
+
+def _tools_env(tools: Path) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site_path(tools)), _package_root(),
+                                                                      os.environ.get("PYTHONPATH")]))}
+    env.pop("NO_LOCAL_GGUF", None)  # the converter's own gguf-py, never another
+    return env
 
 
 def _package_root() -> str:
@@ -152,6 +156,46 @@ def convert(tools: Path, merged: Path, dest: Path, outtype: str, pre: str, log: 
 def quantize(tools: Path, src: Path, dest: Path, ftype: str, log: Path | None = None) -> None:
     """A 16- or 32-bit GGUF -> ``dest`` quantized to ``ftype`` (llama.cpp's LLAMA_FTYPE_<ftype>)."""
     _run(["quantize", str(src), str(dest), ftype, str(os.cpu_count() or 1)], tools, f"quantize to {ftype}", log)
+
+
+def knows_template(tools: Path, template: str) -> bool:
+    """Whether llama.cpp's own chat (llama_chat_apply_template: llama-cli, and llama-server
+    without --jinja) recognises the Jinja ``template``; the GGUF carries it either way."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "chat_template.jinja"
+        path.write_text(template, encoding="utf-8")
+        proc = subprocess.run([sys.executable, "-m", "overbrainer.formats._llama_cpp_run", "template", str(path)],
+                              env=_tools_env(tools), capture_output=True, text=True)
+    if proc.returncode not in (0, 3):
+        lines = [x for x in proc.stderr.strip().splitlines() if x.strip()]
+        raise LlamaCppError(f"gguf: llama.cpp could not read the chat template: {lines[-1] if lines else proc.returncode}")
+    return proc.returncode == 0
+
+
+def check_gguf_template(formats: list[str], template: str | None, special_tokens: dict, origin: str,
+                        say: Callable[[str], None]) -> None:
+    """Before training, when ``bake.formats`` asks for a GGUF: llama.cpp's own chat must know
+    the chat template the model will carry (``origin`` names it: "the base model's chat
+    template"). A template of one of the families formats/ollama.py knows is known to llama.cpp
+    too; any other is asked of llama.cpp itself (its tools built first, once). One it does not know is refused in one line,
+    unless ``ollama`` is asked for: then a warning, and the Modelfile has no TEMPLATE."""
+    from . import gguf_types
+    from .ollama import template_family
+
+    if not gguf_types(formats) or not template:
+        return
+    if template_family(template, special_tokens):
+        return
+    if knows_template(llama_cpp_tools(say), template):
+        return
+    unknown = f"llama.cpp's own chat (llama-cli, and llama-server without --jinja) does not know {origin}"
+    if "ollama" in formats:
+        say(f"warning: bake.formats: {unknown}; the GGUF carries it, and the Modelfile is written without a TEMPLATE")
+        return
+    raise OverbrainerError(
+        f'bake.formats: {unknown}; set "chat_template" to chatml, llama3, mistral, gemma or phi3, or add "ollama" '
+        "to bake.formats to bake the GGUF with this template anyway (the Modelfile then has no TEMPLATE)"
+    )
 
 
 # the types llama.cpp's converter writes itself; the rest are quantized from a 16-bit file

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["TEMPLATES", "modelfile", "chatml_system", "template_family", "render_jinja"]
+__all__ = ["TEMPLATES", "modelfile", "chatml_system", "template_family", "render_jinja", "model_template"]
 
 _SYS = "\x00SYSTEM\x00"  # stands for the system prompt when finding a default one
 
@@ -131,8 +131,7 @@ def modelfile(merged: Path, gguf_name: str, num_ctx: int | None = None, warn: Ca
     """The Modelfile text for ``gguf_name`` (a file in the same folder), from the merged model's
     tokenizer files; ``num_ctx`` the context length to run it with; ``warn`` is told when the
     template is of no family here (and is left out)."""
-    config = _read_json(merged / "tokenizer_config.json")
-    template = _chat_template(merged, config)
+    template, config = model_template(merged)
     found = template_family(template, config) if template else None
     lines = [f"FROM ./{gguf_name}", ""]
     stops: list[str] = []
@@ -216,6 +215,13 @@ def render_jinja(template: str, messages: list[dict], special_tokens: dict) -> s
     text = env.from_string(template).render(messages=messages, add_generation_prompt=True, **tokens)
     bos = tokens["bos_token"]
     return text[len(bos):] if bos and text.startswith(bos) else text
+
+
+def model_template(folder: Path) -> tuple[str | None, dict]:
+    """A model folder's Jinja chat template (None when it has none) and its tokenizer_config
+    (the special tokens the template reads)."""
+    config = _read_json(folder / "tokenizer_config.json")
+    return _chat_template(folder, config), config
 
 
 def _chat_template(merged: Path, config: dict) -> str | None:

@@ -239,6 +239,19 @@ def size(train: TrainSettings, base_folder: Path):
     )
 
 
+def check_gguf_template(formats: list[str], base_folder: Path, template: Template | None, say) -> None:
+    """The GGUF formats' check of the template the merged model will carry (the plan's, else
+    the base's): formats.check_gguf_template."""
+    from ..formats.llama_cpp import check_gguf_template
+    from ..formats.ollama import model_template
+
+    text, special_tokens = model_template(base_folder)
+    origin = "the base model's chat template"
+    if template is not None:
+        text, origin = template.text, f"the plan's chat_template ({template.origin})"
+    check_gguf_template(formats, text, special_tokens, origin, say)
+
+
 def check_chat_template(examples: Path, base_folder: Path, template: Template | None,
                         tokens: dict, max_len: int | None = None) -> tuple[dict, dict[str, int]]:
     """The special tokens to train with, and the train tokens of each source file (each
@@ -391,6 +404,7 @@ def run(bake: Bake, inputs: dict) -> Outputs:
     tokens = special_tokens(Path(inputs["base_folder"]))
     tokens, counts = check_chat_template(bake.folder.examples, Path(inputs["base_folder"]), template, tokens,
                                          train.sequence_len)
+    check_gguf_template(list(bake.plan.bake.formats), Path(inputs["base_folder"]), template, bake.say)
     total = sum(counts.values()) or 1
     bake.say("config: train tokens by source: " + ", ".join(
         f"{name} {n:,} ({100 * n / total:.0f}%)" for name, n in counts.items()))
