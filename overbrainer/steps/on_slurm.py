@@ -26,6 +26,7 @@ from ..folder import RunFolder
 from ..portable.common import read_json, write_json
 from ..stamps import fingerprint
 from . import Outputs
+from .train import tail
 
 if TYPE_CHECKING:
     from .context import Bake
@@ -83,16 +84,9 @@ class Sent:
             if said.get("fingerprint") != fp or "entries" not in said:
                 why = said.get("error") or f"it ended with exit code {code} without saying what it made"
                 raise RunFailed(f"{name} failed in the Slurm job {job}: {why}; the end of {bake.shown(folder.log)}:",
-                                log_tail=_tail(folder.log))
+                                log_tail=tail(folder.log, 15))
         outputs.unlink()
         return Outputs(said["entries"], said["root"], said["summary"])
-
-
-def _tail(log: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 def _step(name: str) -> ModuleType:

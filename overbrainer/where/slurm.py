@@ -15,13 +15,13 @@ In the run folder::
                              the same for a step after training sent to the cluster
                              (where.slurm.steps: merge, bake), each a job on one node
 
-The job is submitted with ``sbatch --parsable``; its id goes into run.json (``slurm_job``).
-run.json's ``slurm_job`` is the job this side follows now; ``slurm_jobs`` the last job of
-each step ({"train": id, "merge": id, "bake": id}). This side follows it every `poll_s` seconds (``$OVERBRAINER_SLURM_POLL``, default 5): its
-state from ``squeue``, then ``scontrol show job`` once it has left the queue, else
-``sacct``. A pending job is ``queued`` with Slurm's reason; a job that ended FAILED,
-NODE_FAIL, TIMEOUT, OUT_OF_MEMORY, CANCELLED, PREEMPTED... fails the train step with
-that state. A stop is the run's ``stop`` file, which the trainer sees on the shared
+The job is submitted with ``sbatch --parsable``; its id goes into run.json: ``slurm_job``
+is the job this side follows now, ``slurm_jobs`` the last job of each step ({"train": id,
+"merge": id, "bake": id}). This side follows it every `poll_s` seconds
+(``$OVERBRAINER_SLURM_POLL``, default 5): its state from ``squeue``, then ``scontrol show
+job`` once it has left the queue, else ``sacct``. A pending job is ``queued`` with
+Slurm's reason; a job that ended FAILED, NODE_FAIL, TIMEOUT, OUT_OF_MEMORY, CANCELLED,
+PREEMPTED... fails its step with that state. A stop is the run's ``stop`` file, which the trainer sees on the shared
 filesystem (a job still pending is cancelled instead). ``--signal=B:USR1@<grace>``: on the
 warning before its time limit the job writes the stop file itself, the trainer saves a
 checkpoint and ends, and this side submits the next job, which goes on from it. A
