@@ -78,8 +78,14 @@ class Sent:
                        {"step": name, "fingerprint": fp, "inputs": inputs, "bake": bake.handoff()})
             target = target_for(bake.plan.where, Base.from_stamp(upstream(bake, "base")), bake.hashes, bake.plan_dir,
                                 say=bake.say, shown=bake.shown, tell=bake.tell)
-            job, code = target.run_step(name, ["python", "-m", __name__, str(folder.root), name], folder.root, fp,
-                                        folder.log)
+            try:
+                job, code = target.run_step(name, ["python", "-m", __name__, str(folder.root), name], folder.root,
+                                            fp, folder.log)
+            except RunFailed as e:  # the job's own line, when its step's work raised, goes first
+                said = read_json(outputs) or {}
+                if said.get("fingerprint") == fp and said.get("error"):
+                    raise RunFailed(f"{name} failed on the cluster: {said['error']}; {e}", log_tail=e.log_tail) from None
+                raise
             said = read_json(outputs) or {}
             if said.get("fingerprint") != fp or "entries" not in said:
                 why = said.get("error") or f"it ended with exit code {code} without saying what it made"
