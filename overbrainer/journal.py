@@ -5,7 +5,8 @@ stand on::
 
     {
       "state": "running",          # planned starting queued running stopping stopped done failed
-      "slurm_job": "1234",         # where.slurm: the batch job training it (queued: pending there)
+      "slurm_job": "1234",         # where.slurm: the batch job this bake follows (queued: pending there)
+      "slurm_jobs": {"train": "1234", "merge": "1235"},  # the last job of each step sent there
       "where": "here",
       "plan_file": "/abs/plans/demo.json",
       "process": {"pid": 4242, "create_time": 1733150000.12, "host": "box"},
@@ -78,6 +79,7 @@ def load(folder: RunFolder) -> dict:
 _TYPES = {
     "state": (str,), "where": (str,), "plan_file": (str,), "plan_hash": (str,), "reason": (str, type(None)),
     "task": (str, type(None)), "step": (int, type(None)), "steps": (int, type(None)), "slurm_job": (str, int, type(None)),
+    "slurm_jobs": (dict,),
     "process": (dict, type(None)), "result": (dict, type(None)), "attempts": (list,), "stages": (list,),
     "trackers": (dict,),
 }

@@ -37,6 +37,7 @@ BAKE_FORMATS = (
 TRAINERS = ("builtin", "axolotl")
 # What `report_to` may name; overbrainer/trackers/ mirrors metrics.jsonl to them.
 TRACKERS = ("tensorboard", "mlflow", "wandb")
+CLUSTER_STEPS = ("train", "merge", "bake")  # what where.slurm.steps may send to the cluster
 # what `data[].format` may name, and the keys `data[].fields` may rename (inputs/formats.py)
 DATA_FORMATS = ("auto", "openai", "sharegpt", "prompt_completion", "alpaca")
 DATA_FIELDS = (
@@ -349,6 +350,10 @@ class SlurmSettings(_Settings):
         default=None, min_length=1,
         description="A folder the nodes see, for a run folder they do not: the job is staged there as an export "
                     "bundle's job folder (checked against its manifest) and its result brought back the same way")
+    steps: list[Literal[CLUSTER_STEPS]] = Field(
+        default_factory=lambda: ["train"],
+        description='The steps that run as Slurm jobs: "train" always; add "merge" and "bake" to send them too '
+                    "(default: they run where the bake runs, once the last checkpoint is on the shared filesystem)")
 
 
 class SlurmTarget(_Settings):
@@ -404,6 +409,14 @@ class Plan(_Settings):
         if slurm.gpus_per_node is not None and slurm.gpus_per_node != self.train.processes:
             raise ValueError(f"where.slurm.gpus_per_node is {slurm.gpus_per_node} but train.processes (training "
                              f"processes per node, one per GPU) is {self.train.processes}; make them equal")
+        twice = sorted({s for s in slurm.steps if slurm.steps.count(s) > 1})
+        if "train" not in slurm.steps or twice:
+            raise ValueError(f"where.slurm.steps is {json.dumps(slurm.steps)}: the slurm target always trains on the "
+                             'cluster; list "train", then "merge" and "bake" to send them too, each once')
+        if slurm.workdir and len(slurm.steps) > 1:
+            raise ValueError(f"where.slurm.steps sends {' and '.join(s for s in slurm.steps if s != 'train')} to the "
+                             "cluster, which reads the run folder where it is, but where.slurm.workdir stages only "
+                             'the training there; set steps to ["train"] (they run here) or unset workdir')
         return self
 
     @property

@@ -181,6 +181,9 @@ def test_slurm_bake_equals_here(plan, reference, cluster):
     same_model(folder, reference)
     status = run_json(folder)
     assert status["where"] == "slurm:debug" and status["slurm_job"]
+    # merge and bake ran here (where.slurm.steps by default: ["train"]), after the job
+    assert status["slurm_jobs"] == {"train": status["slurm_job"]} and not (folder / "slurm" / "merge.sh").exists()
+    assert (folder / "baked" / "model.safetensors").read_bytes() == (reference / "baked" / "model.safetensors").read_bytes()
     script = (folder / "job.sh").read_text()
     for line in ("#SBATCH --partition=debug", "#SBATCH --time=10:00", "#SBATCH --signal=B:USR1@30",
                  "#SBATCH --nodes=1", "#SBATCH --no-requeue"):
@@ -279,6 +282,14 @@ def test_no_sbatch_on_the_path_is_one_line(plan, monkeypatch):
     assert any("the plan asks for Slurm" in ln and "no sbatch on the PATH" in ln for ln in lines), proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (Path(os.environ["OVERBRAINER_RUNS"]) / "tiny" / "job.sh").exists()
+
+
+def test_steps_the_cluster_cannot_take_are_refused_in_one_line(plan, tmp_path):
+    for settings, said in (({"steps": ["merge", "bake"]}, 'list "train", then "merge" and "bake"'),
+                           ({"steps": ["train", "merge"], "workdir": str(tmp_path)},
+                            "where.slurm.steps sends merge to the cluster, which reads the run folder where it is")):
+        proc = cli("bake", str(on_slurm(plan, **settings)), check=2)
+        assert proc.stderr.count("\n") == 1 and said in proc.stderr, proc.stderr
 
 
 def test_a_partition_slurm_rejects_is_its_message_in_one_line(plan, cluster):
@@ -423,3 +434,44 @@ def test_across_nodes_keeps_the_trainers_own_arguments():
     [command] = across_nodes([["python", "-m", "overbrainer.trainers.builtin", "config.yaml", "--device", "cuda"]], 2, 8)
     assert command[0] == "srun" and "--nproc-per-node=8" in command
     assert command[-5:] == ["-m", "overbrainer.trainers.builtin", "config.yaml", "--device", "cuda"]
+
+
+def test_merge_and_bake_sent_to_the_cluster_end_as_here_and_a_cancelled_merge_reruns(plan, reference, cluster):
+    """where.slurm.steps: merge and bake as Slurm jobs of their own, stamped here. The
+    partition goes down while training runs, so the merge job waits (PartitionDown):
+    cancelled, it is failed with its reason; the partition up again, a rerun sends merge
+    and bake and ends with the same weights as a bake here, every job id in run.json."""
+    plan_path = on_slurm(plan, partition="debug", steps=["train", "merge", "bake"])
+    folder = Path(os.environ["OVERBRAINER_RUNS"]) / "tiny"
+    partition = ["scontrol", "update", "PartitionName=debug"]
+    cli("bake", str(plan_path), "--detach")
+    trainers = hold_at_step(folder, 2)
+    try:
+        subprocess.run([*partition, "State=DOWN"], check=True)
+        release(trainers)
+        status = wait_for(lambda: (s := run_json(folder)).get("state") == "queued" and s.get("task") == "merge" and s,
+                          timeout=300)
+        merge = status["slurm_jobs"]["merge"]
+        assert status["slurm_job"] == merge and status["reason"].startswith("Slurm: Partition"), status
+        subprocess.run(["scancel", merge], check=True)
+        status = wait_for(lambda: (s := run_json(folder)).get("state") in ("failed", "done", "stopped") and s)
+    finally:
+        subprocess.run([*partition, "State=UP"], check=True)
+    assert status["state"] == "failed", status
+    assert f"the Slurm job {merge} (merge) ended CANCELLED" in status["reason"], status
+    assert not (folder / "merged").exists() and not (folder / ".stamps" / "merge.json").exists()
+
+    report = bake(plan_path)
+    assert report["state"] == "done" and report["ran"] == ["merge", "bake"], report
+    jobs = json.loads(cli("status", str(folder), "--json").stdout)["slurm_jobs"]
+    assert sorted(jobs) == ["bake", "merge", "train"] and jobs["merge"] != merge, jobs
+    assert f"Slurm jobs: train {jobs['train']}, merge {jobs['merge']}, bake {jobs['bake']}" in \
+        cli("status", str(folder)).stdout
+    for step in ("merge", "bake"):
+        assert json.loads((folder / "slurm" / f"end-{jobs[step]}.json").read_text())["exit"] == 0
+        assert f"-m overbrainer.where.slurm job {folder} {step}" in (folder / "slurm" / f"{step}.sh").read_text()
+    log = (folder / "log.txt").read_text()
+    assert f"merge: submitted as Slurm job {jobs['merge']}" in log and f"on_slurm {folder} merge\nmerge: " in log
+    for weights in ("merged/model.safetensors", "baked/model.safetensors"):
+        assert (folder / weights).read_bytes() == (reference / weights).read_bytes(), weights
+    assert bake(plan_path)["ran"] == []

@@ -105,6 +105,8 @@ def cmd_status(args) -> int:
         if row.get("reason"):
             line += f"  ({row['reason']})"
         print(line)
+        if row.get("slurm_jobs"):  # where.slurm: the last batch job of each step sent there
+            print("  Slurm jobs: " + ", ".join(f"{step} {job}" for step, job in row["slurm_jobs"].items()))
         for label, b in row["branches"].items():
             state = "baked" if b["baked"] else f"step {b['step']}" if b["step"] is not None else "not started"
             print(f"  branch {label}: {state}, decayed from the trunk's {b['from'] or '(not yet)'}  "

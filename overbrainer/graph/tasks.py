@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from ..steps import bake as bake_step
 from ..steps import base_model as base_step
 from ..steps import branch, check, config, execute, merge, resolve, split, train
+from ..steps.on_slurm import placed
 
 if TYPE_CHECKING:
     from ..steps.context import Bake
@@ -180,7 +181,7 @@ def action(bake: Bake, done: Outcome, module: ModuleType):
     try:
         if bake.folder.stop_request.exists():
             raise RunStopped(f"stopped before {module.NAME}, on request; bake again to go on")
-        did = execute(bake, module)
+        did = execute(bake, placed(bake, module))  # merge, bake: on the cluster when where.slurm.steps says
     except Exception as e:  # every error reaches the user through done.error
         done.error = e
         return TaskFailed(str(e).splitlines()[0] if str(e) else type(e).__name__)

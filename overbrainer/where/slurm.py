@@ -11,13 +11,17 @@ In the run folder::
     slurm/submitted.json     the jobs submitted for this run: {"fingerprint", "jobs": [id, ...]}
     slurm/end-<id>.json      how a job's commands ended: {"job", "exit", "signal", "ended"}
     slurm/<id>.out           Slurm's own output of the job (the trainer's goes to log.txt)
+    slurm/<step>.sh, slurm/job-<step>.json, slurm/submitted-<step>.json
+                             the same for a step after training sent to the cluster
+                             (where.slurm.steps: merge, bake), each a job on one node
 
-The job is submitted with ``sbatch --parsable``; its id goes into run.json (``slurm_job``).
-This side follows it every `poll_s` seconds (``$OVERBRAINER_SLURM_POLL``, default 5): its
-state from ``squeue``, then ``scontrol show job`` once it has left the queue, else
-``sacct``. A pending job is ``queued`` with Slurm's reason; a job that ended FAILED,
-NODE_FAIL, TIMEOUT, OUT_OF_MEMORY, CANCELLED, PREEMPTED... fails the train step with
-that state. A stop is the run's ``stop`` file, which the trainer sees on the shared
+The job is submitted with ``sbatch --parsable``; its id goes into run.json: ``slurm_job``
+is the job this side follows now, ``slurm_jobs`` the last job of each step ({"train": id,
+"merge": id, "bake": id}). This side follows it every `poll_s` seconds
+(``$OVERBRAINER_SLURM_POLL``, default 5): its state from ``squeue``, then ``scontrol show
+job`` once it has left the queue, else ``sacct``. A pending job is ``queued`` with
+Slurm's reason; a job that ended FAILED, NODE_FAIL, TIMEOUT, OUT_OF_MEMORY, CANCELLED,
+PREEMPTED... fails its step with that state. A stop is the run's ``stop`` file, which the trainer sees on the shared
 filesystem (a job still pending is cancelled instead). ``--signal=B:USR1@<grace>``: on the
 warning before its time limit the job writes the stop file itself, the trainer saves a
 checkpoint and ends, and this side submits the next job, which goes on from it. A
@@ -51,7 +55,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import OverbrainerError, RunFailed
+from ..errors import OverbrainerError, RunFailed, RunStopped
 from ..folder import RunFolder
 from ..fsio import write_atomic
 from ..portable.common import append_log, now, read_json, write_json
@@ -138,10 +142,16 @@ def _one_line(text: str) -> str:
     return lines[-1] if lines else "no message"
 
 
+def spec_name(step: str) -> str:
+    """The file of slurm/ that says what a step's job runs: job.json for training."""
+    return _JOB if step == "train" else f"job-{step}.json"
+
+
 def job_script(run_dir: Path, name: str, settings: SlurmSettings, python: str = sys.executable,
-               staged: Path | None = None) -> str:
+               staged: Path | None = None, step: str = "train") -> str:
     """job.sh for a run folder: the plan's settings as #SBATCH lines, then the job; with
-    `staged` (workdir), the staged job folder's runner, `run_dir` being its run/."""
+    `staged` (workdir), the staged job folder's runner, `run_dir` being its run/; for a
+    `step` after training, that step's job (slurm/<step>.sh)."""
     slurm = RunFolder(run_dir).slurm
     lines = ["#!/bin/bash", f"#SBATCH --job-name=overbrainer-{name}", f"#SBATCH --output={slurm}/%j.out",
              "#SBATCH --open-mode=append", f"#SBATCH --signal=B:USR1@{settings.grace}",
@@ -159,12 +169,12 @@ def job_script(run_dir: Path, name: str, settings: SlurmSettings, python: str = 
         f':{RENDEZVOUS_PORT}"',
         # a node that cannot see the run folder (not on a filesystem the cluster shares)
         # ends at once with its own exit code, which the side that follows it names
-        f"if [ ! -e {shlex.quote(str(staged / 'job.json' if staged else slurm / _JOB))} ]; then",
+        f"if [ ! -e {shlex.quote(str(staged / 'job.json' if staged else slurm / spec_name(step)))} ]; then",
         f'  echo "overbrainer: $(hostname) cannot see the run folder {run_dir}" >&2; exit {UNSEEN_EXIT}',
         "fi",
         f"cd {shlex.quote(str(run_dir))}",
         f"exec {shlex.quote(python)} -m overbrainer.where.slurm {'staged' if staged else 'job'} "
-        f"{shlex.quote(str(staged or run_dir))}",
+        f"{shlex.quote(str(staged or run_dir))}" + ("" if step == "train" else f" {shlex.quote(step)}"),
         "",
     ]
     return "\n".join(lines)
@@ -208,15 +218,26 @@ class Slurm:
     def where(self) -> str:
         return f"slurm:{self.settings.partition}" if self.settings.partition else "slurm"
 
-    def note(self, log: Path, message: str) -> None:
-        self.say(f"train: {message}")
-        append_log(log, message)
+    def note(self, log: Path, message: str, step: str = "train") -> None:
+        self.say(f"{step}: {message}")
+        append_log(log, message if step == "train" else f"{step}: {message}")
+
+    def record(self, folder: RunFolder, step: str, job: str) -> None:
+        """The job in run.json: the one followed now (slurm_job), and the step's (slurm_jobs)."""
+        from .. import journal
+
+        jobs = journal.read(folder).get("slurm_jobs") or {}
+        self.tell(slurm_job=job, slurm_jobs={**jobs, step: job})
+
+    @staticmethod
+    def require_sbatch(step: str) -> None:
+        if shutil.which("sbatch") is None:
+            raise OverbrainerError(f"{step}: the plan asks for Slurm (where.slurm) but there is no sbatch on the PATH; "
+                                   "bake on a machine of the cluster (a login node), or change where")
 
     def run(self, trainer: Trainer, run_dir: Path, env: dict[str, str], log: Path,
             poll: Callable[[], None] = lambda: None) -> int:
-        if shutil.which("sbatch") is None:
-            raise OverbrainerError("train: the plan asks for Slurm (where.slurm) but there is no sbatch on the PATH; "
-                                   "bake on a machine of the cluster (a login node), or change where")
+        self.require_sbatch("train")
         run_dir = Path(run_dir)
         folder = RunFolder(run_dir)
         fp = env[FINGERPRINT_ENV]
@@ -224,7 +245,7 @@ class Slurm:
             self.staged = self.workdir / f"{folder.name}-{fp[:8]}"
         else:
             trainer.prepare(run_dir, str(run_dir))
-        submitted = read_json(folder.slurm / _SUBMITTED) or {}
+        submitted = read_json(folder.slurm / _submitted("train")) or {}
         jobs = submitted.get("jobs", []) if submitted.get("fingerprint") == fp else []
         job = jobs[-1] if jobs else None
         state = job_state(job) if job else None
@@ -237,13 +258,13 @@ class Slurm:
         else:
             job = self.submit(trainer, folder, fp, env, jobs)
         while True:
-            self.tell(slurm_job=job)
+            self.record(folder, "train", job)
             outcome = self.follow(job, folder, log, poll)
             if self.staged is not None:
                 self.bring_back(trainer, folder, fp, job, log)
             if outcome != "again":
                 return outcome
-            jobs = read_json(folder.slurm / _SUBMITTED)["jobs"]
+            jobs = read_json(folder.slurm / _submitted("train"))["jobs"]
             job = self.submit(trainer, folder, fp, env, jobs)
 
     def end_file(self, folder: RunFolder, job: str) -> Path:
@@ -315,24 +336,59 @@ class Slurm:
             }
             write_json(folder.slurm / _JOB, spec)
             script = job_script(folder.root, name, self.settings)
-        tmp = folder.root / f".{folder.job_sh.name}.tmp"
+        return self.sbatch(folder, "train", script, fp, jobs)
+
+    def sbatch(self, folder: RunFolder, step: str, script: str, fp: str, jobs: list[str]) -> str:
+        """Write a step's batch script (job.sh for training, else slurm/<step>.sh) and
+        submit it; the job id, recorded. Slurm's refusal is one line, with nothing of it
+        left behind."""
+        path = folder.job_sh if step == "train" else folder.slurm / f"{step}.sh"
+        tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(script)
-        os.replace(tmp, folder.job_sh)
+        os.replace(tmp, path)
         try:
-            out = _slurm(["sbatch", "--parsable", str(folder.job_sh)])
+            out = _slurm(["sbatch", "--parsable", str(path)])
         except (OSError, subprocess.TimeoutExpired) as e:
-            raise OverbrainerError(f"train: sbatch did not answer ({e}); check the cluster (`sinfo`)") from None
+            raise OverbrainerError(f"{step}: sbatch did not answer ({e}); check the cluster (`sinfo`)") from None
         if out.returncode != 0 or not out.stdout.strip():
-            folder.job_sh.unlink(missing_ok=True)
-            (folder.slurm / _JOB).unlink(missing_ok=True)
-            raise OverbrainerError(f"train: Slurm refused the job: {_one_line(out.stderr or out.stdout)} "
+            path.unlink(missing_ok=True)
+            (folder.slurm / spec_name(step)).unlink(missing_ok=True)
+            raise OverbrainerError(f"{step}: Slurm refused the job: {_one_line(out.stderr or out.stdout)} "
                                    "(check where.slurm in the plan)")
         job = out.stdout.strip().split(";")[0]  # "id;cluster" on a federation
-        write_json(folder.slurm / _SUBMITTED, {"fingerprint": fp, "jobs": [*jobs, job]})
-        self.tell(slurm_job=job)
+        write_json(folder.slurm / _submitted(step), {"fingerprint": fp, "jobs": [*jobs, job]})
+        self.record(folder, step, job)
         return job
 
-    def follow(self, job: str, folder: RunFolder, log: Path, poll: Callable[[], None]) -> int | str:
+    def run_step(self, step: str, command: list[str], run_dir: Path, fp: str, log: Path,
+                 poll: Callable[[], None] = lambda: None) -> tuple[str, int]:
+        """A step after training (merge, bake) as a Slurm job of its own on one node:
+        `command` run in the run folder, its output into `log`, followed like the train
+        job (a job of this fingerprint still in the queue is followed again, not sent
+        twice); the job id and its exit code. A job that ended badly raises RunFailed."""
+        self.require_sbatch(step)
+        folder = RunFolder(Path(run_dir))
+        folder.slurm.mkdir(exist_ok=True)
+        submitted = read_json(folder.slurm / _submitted(step)) or {}
+        jobs = submitted.get("jobs", []) if submitted.get("fingerprint") == fp else []
+        job = jobs[-1] if jobs else None
+        state = job_state(job) if job else None
+        if state is not None and state.in_queue:
+            self.note(log, f"following Slurm job {job}, {state.state.lower()}", step)
+            self.record(folder, step, job)
+        else:
+            write_json(folder.slurm / spec_name(step), {
+                "commands": [command], "env": {FINGERPRINT_ENV: fp}, "metrics_file": folder.metrics.name,
+                "stages": [], "stop_marker": None, "metrics_required": False,
+            })
+            one_node = self.settings.model_copy(update={"nodes": 1})
+            job = self.sbatch(folder, step, job_script(folder.root, folder.name, one_node, step=step), fp, jobs)
+            self.note(log, f"submitted as Slurm job {job}", step)
+        outcome = self.follow(job, folder, log, poll, step)
+        return job, 0 if outcome == "again" else outcome  # "again": it ended well all the same
+
+    def follow(self, job: str, folder: RunFolder, log: Path, poll: Callable[[], None],
+               step: str = "train") -> int | str:
         """Follow the job until it leaves the queue: its exit code, or "again" when it ended
         on Slurm's warning signal (its time limit) and the next job must go on."""
         told = None
@@ -352,13 +408,16 @@ class Slurm:
                     shutil.copyfile(folder.stop_request, self.staged / RUN / "stop")  # the user's stop, passed on
                 if folder.stop_request.exists() and state.state == "PENDING" and not slurm_made(folder.stop_request):
                     _slurm(["scancel", job])
-                    self.note(log, f"cancelled Slurm job {job}, still pending, on request")
+                    self.note(log, f"cancelled Slurm job {job}, still pending, on request", step)
+                    if step != "train":
+                        raise RunStopped(f"stopped before {step}, on request (its Slurm job {job} had not started); "
+                                         "bake again to go on")
                     return self.stopped_before_start(folder)
                 shown = ("queued", f"Slurm: {state.reason}") if state.state == "PENDING" else ("running", None)
                 if shown != told:
                     self.tell(state=shown[0], reason=shown[1])
                     if shown[0] == "queued":
-                        self.note(log, f"Slurm job {job} is pending ({state.reason})")
+                        self.note(log, f"Slurm job {job} is pending ({state.reason})", step)
                     told = shown
             else:
                 break
@@ -383,12 +442,15 @@ class Slurm:
             reason = "" if state is None or state.reason in ("None", "") else f" ({state.reason})"
             if ended == "gone":
                 ended = "without a trace (squeue, scontrol and sacct do not know it)"
-            raise RunFailed(f"the Slurm job {job} ended {ended}{reason}; bake again to go on from its last checkpoint",
+            again = "go on from its last checkpoint" if step == "train" else f"run {step} again"
+            raise RunFailed(f"the Slurm job {job}{_of(step)} ended {ended}{reason}; bake again to {again}",
                             log_tail=_tail(out))
         if end is None:
             raise RunFailed(f"the Slurm job {job} ended without running its commands; see {out}",
                             log_tail=_tail(out))
         if end.get("signal") and end["exit"] == 0 and not folder.stop_request.exists():
+            if step != "train":
+                return end["exit"]  # its work is done: nothing goes on from a checkpoint
             folder.stopped_marker.unlink(missing_ok=True)  # not a stop on request: the next job goes on
             self.note(log, f"Slurm job {job} saved a checkpoint before its time limit; submitting the next")
             return "again"
@@ -426,6 +488,14 @@ class Slurm:
         return 0
 
 
+def _submitted(step: str) -> str:
+    return _SUBMITTED if step == "train" else f"submitted-{step}.json"
+
+
+def _of(step: str) -> str:
+    return "" if step == "train" else f" ({step})"
+
+
 def _tail(path: Path, lines: int = 15) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -436,15 +506,16 @@ def _tail(path: Path, lines: int = 15) -> str:
 # -- the job's side -----------------------------------------------------------------------
 
 
-def job_main(run_dir: Path) -> int:
+def job_main(run_dir: Path, step: str = "train") -> int:
     """What job.sh runs in the job: the commands of slurm/job.json (``${VAR}`` in them
     expanded from the job's environment), like every target runs them. On SIGUSR1 (Slurm's
     warning before the time limit) or SIGTERM (scancel, preemption) it writes the run's
-    stop file: the trainer saves a checkpoint at its next step and ends."""
+    stop file: the trainer saves a checkpoint at its next step and ends. A `step` after
+    training (slurm/<step>.sh) runs slurm/job-<step>.json the same way."""
     from ..portable.common import run_commands
 
     folder = RunFolder(Path(run_dir))
-    job = read_json(folder.slurm / _JOB)
+    job = read_json(folder.slurm / spec_name(step))
     job_id = os.environ.get("SLURM_JOB_ID", "unknown")
     got: list[int] = []
 
@@ -497,8 +568,8 @@ def staged_main(home: Path) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in ("job", "staged"):
-        print("usage: python -m overbrainer.where.slurm job RUN_DIR | staged JOB_DIR (what job.sh runs)",
+    if not (sys.argv[1:2] == ["job"] and len(sys.argv) in (3, 4) or sys.argv[1:2] == ["staged"] and len(sys.argv) == 3):
+        print("usage: python -m overbrainer.where.slurm job RUN_DIR [STEP] | staged JOB_DIR (what job.sh runs)",
               file=sys.stderr)
         sys.exit(2)
-    sys.exit((job_main if sys.argv[1] == "job" else staged_main)(Path(sys.argv[2])))
+    sys.exit(job_main(Path(sys.argv[2]), *sys.argv[3:]) if sys.argv[1] == "job" else staged_main(Path(sys.argv[2])))
