@@ -100,6 +100,8 @@ def run(bake: Bake, inputs: dict) -> Outputs:
         from ..trackers import require
 
         require(list(bake.plan.report_to))  # before training, in one line
+    # a checkpoint whose sidecar does not read cannot be sorted out by fingerprint
+    ckpt.set_aside_unreadable(folder.checkpoints, say=lambda m: bake.say(f"warning: {m}; training goes on from the checkpoint before it"))
     kept = set_aside_other_runs(folder.root, folder.checkpoints, fp, inputs)
     if kept:
         bake.say(f"train: resumes from {kept.name} (the stable phase is unchanged)")

@@ -183,6 +183,33 @@ def test_a_read_only_run_folder_is_one_line(baked_copy, tmp_path):
     one_line(proc, str(folder))
 
 
+# -- a checkpoint whose meta.json is garbled (item 8's sibling) -------------------------------
+
+def test_a_garbled_meta_json_is_set_aside_and_named_everywhere(baked_copy, references, tmp_path):
+    from overbrainer.chat import Model
+    from overbrainer.errors import RunStateError
+    from overbrainer.trainers.checkpoint import DamagedMeta, read_meta
+
+    project = baked_copy()
+    folder = tmp_path / "runs" / "tiny"
+    final = folder / "checkpoints" / "step-000008"
+    (final / "meta.json").write_text("[1, 2]")
+    with pytest.raises(DamagedMeta, match="a JSON list, not an object"):
+        read_meta(final)
+    (final / "meta.json").write_bytes(os.urandom(600))
+    listed = cli("checkpoints", str(folder))
+    assert "Traceback" not in listed.stderr and "step-000006" in listed.stdout and "step-000008" not in listed.stdout
+    assert listed.stderr.startswith("warning: ") and "step-000008/meta.json is damaged" in listed.stderr
+    with pytest.raises(RunStateError, match="step-000008/meta.json is damaged: not JSON"):
+        Model.checkpoint(folder, 8)
+    proc = cli("bake", str(project.plan_path), "--foreground")
+    assert "Traceback" not in proc.stderr and "JSONDecodeError" not in proc.stderr + proc.stdout
+    assert "warning: step-000008 is damaged (its meta.json is not JSON" in proc.stdout + proc.stderr
+    assert (folder / "checkpoints" / "corrupt-step-000008").is_dir()
+    for name in ("checkpoints/step-000008/adapter_model.safetensors", "baked/model.safetensors"):
+        assert (folder / name).read_bytes() == (references.folder() / name).read_bytes(), name
+
+
 # -- a checkpoint whose state is not plain tensors (item 8) ---------------------------------
 
 def test_a_trainer_state_that_weights_only_refuses_is_set_aside(baked_copy, tmp_path):
