@@ -7,6 +7,7 @@ overbrainer may not be installed. Standard library only.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -73,8 +74,10 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, fault: str | None =
             os.unlink(tmp)
         except OSError:
             pass
-        if e.filename is None:
-            e.filename = str(path)
+        if e.filename is None or e.filename == str(tmp):
+            # the temp file is this function's, not the user's: name what they can fix, the
+            # folder that refuses new files, or the file that did not fit
+            e.filename = str(path.parent if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else path)
         raise
     if fault:
         faults.point(fault)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -170,17 +172,47 @@ def test_a_folder_that_cannot_be_written_is_one_line():
     assert reason.startswith("/runs/p1/baked: operation not permitted") and "permissions" in reason
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
-def test_a_read_only_run_folder_is_one_line(baked_copy, tmp_path):
+@contextmanager
+def unwritable(path: Path):
+    """`path` made so that this user cannot change what is in it: read-only for a user,
+    immutable (``chattr +i``) for root, whom permissions do not stop."""
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        try:
+            yield
+        finally:
+            path.chmod(0o755)
+        return
+    if not (shutil.which("chattr") and subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0):
+        pytest.skip("running as root, and this filesystem has no chattr +i: root writes into any folder")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+@pytest.mark.parametrize("which", ["run folder", "baked"])
+def test_a_folder_that_cannot_be_written_is_one_line_and_loses_nothing(baked_copy, tmp_path, which):
     project = baked_copy()
     folder = tmp_path / "runs" / "tiny"
-    shutil.rmtree(folder / "baked")
-    folder.chmod(0o555)
-    try:
+    if which == "baked":  # damaged, so that it is baked again: into a folder that will not move
+        model = folder / "baked" / "model.safetensors"
+        model.write_bytes(model.read_bytes()[:1000])
+    else:
+        shutil.rmtree(folder / "baked")
+    # what a bake made (the bake step's own stamp goes with its damaged output); in a folder
+    # that takes no new file, run.json too, unchanged
+    made = ("checkpoints", "merged", ".stamps", "examples.parquet", "config.yaml", "metrics.jsonl", "run.json")
+    before = {p: p.read_bytes() for p in folder.rglob("*")
+              if p.is_file() and p.relative_to(folder).parts[0] in made and p.name != "bake.json"}
+    with unwritable(folder / "baked" if which == "baked" else folder):
         proc = cli("bake", str(project.plan_path), "--foreground", check=2)
-    finally:
-        folder.chmod(0o755)
-    one_line(proc, str(folder))
+    line = one_line(proc, "permissions")
+    assert line.startswith(f"error: {folder / 'baked' if which == 'baked' else folder}:"), line
+    if which == "baked":
+        assert json.loads((folder / "run.json").read_text())["state"] == "failed"
+        before = {p: b for p, b in before.items() if p.name != "run.json"}
+    assert {p: p.read_bytes() for p in before} == before  # no output lost or changed
 
 
 # -- a checkpoint whose meta.json is garbled (item 8's sibling) -------------------------------
