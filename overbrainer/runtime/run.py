@@ -205,7 +205,7 @@ class Run:
         """The lines of metrics.jsonl so far, as dicts."""
         out = []
         try:
-            text = self.folder.metrics.read_text()
+            text = self.folder.metrics.read_bytes().decode("utf-8", errors="replace")
         except OSError:
             return out
         for raw in text.splitlines():

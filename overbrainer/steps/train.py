@@ -341,7 +341,7 @@ def draw_loss(folder: RunFolder) -> None:
 def _read_lines(metrics: Path, seen: int) -> tuple[list[dict], int]:
     """The complete lines of metrics.jsonl after the first `seen`, and the new count."""
     try:
-        raw = metrics.read_text().splitlines()
+        raw = metrics.read_bytes().decode("utf-8", errors="replace").splitlines()  # a damaged byte spoils its line only
     except OSError:
         return [], seen
     if len(raw) < seen:  # truncated by a resume
@@ -368,7 +368,7 @@ def _show(bake: Bake, m: dict, max_steps: int) -> None:
 
 def _line_count(path: Path) -> int:
     try:
-        return len(path.read_text().splitlines())
+        return len(path.read_bytes().splitlines())
     except OSError:
         return 0
 
