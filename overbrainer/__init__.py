@@ -21,14 +21,18 @@ from .version import __version__
 __all__ = ["bake", "run", "runs", "Run", "Model", "__version__"]
 
 
-def bake(plan, wait: bool = False, runs=None, show: bool = True):
+def bake(plan, wait: bool = False, runs=None, show: bool = True, force: bool = False):
     """Bake a plan in its own process and return its `Run` at once (``wait=True``: wait
     for the end, showing progress, and return the baked model). Baking the same plan again
-    finds its folder: it follows a running bake, resumes a stopped one, or finds it done."""
+    finds its folder: it follows a running bake, resumes a stopped one, or finds it done.
+    A run folder that another plan file with the same name owns is refused (RunStateError);
+    ``force=True`` takes it over for this plan, as ``overbrainer bake --force`` does."""
     from .graph.driver import compile_bake
     from .runtime.run import start_unless_done
 
-    handle = start_unless_done(compile_bake(plan, runs=runs)).run
+    compiled = compile_bake(plan, runs=runs)
+    compiled.take_over = force
+    handle = start_unless_done(compiled).run
     return handle.wait(show=show) if wait else handle
 
 

@@ -47,7 +47,10 @@ class Model:
             raise RunStateError(
                 f"{folder.root}: no checkpoint at step {step}; there are: {', '.join(map(str, steps))}"
             )
-        meta = ckpt.read_meta(steps[step])
+        try:
+            meta = ckpt.read_meta(steps[step])
+        except ckpt.DamagedMeta as e:
+            raise RunStateError(f"{e}; bake again to set it aside and train it anew, or give another step") from None
         base = Path(meta["base_model"])
         if not base.is_absolute() or not base.is_dir():
             # trained elsewhere (export, ssh): the base is this run's own base model

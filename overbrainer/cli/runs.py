@@ -272,7 +272,12 @@ def cmd_checkpoints(args) -> int:
     folders += [(label, Path(b["folder"]) / "checkpoints") for label, b in run.branches().items()]
     for branch, checkpoints in folders:
         for step, folder in ckpt.complete(checkpoints):
-            meta = ckpt.read_meta(folder)
+            try:
+                meta = ckpt.read_meta(folder)
+            except ckpt.DamagedMeta as e:
+                print(f"warning: {shown(e.path)} is damaged ({e.why}): not listed; the next bake "
+                      "sets it aside and trains it again", file=sys.stderr)
+                continue
             stable = bool(meta.get("trajectory")) and step <= meta.get("decay_start", -1)
             rows.append({"step": step, "path": str(folder), "phase": meta.get("phase"), "decayed": meta.get("decayed"),
                          "loss": meta.get("loss"), "eval_loss": meta.get("eval_loss"), "branch": branch,

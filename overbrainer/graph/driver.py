@@ -129,7 +129,7 @@ def check_owner(bake: Bake) -> None:
     raise RunStateError(
         f"{bake.shown(folder.root)} belongs to {bake.shown(Path(owner))}, a different plan file with the same name "
         f"({folder.name!r}) as {bake.shown(bake.plan_path)}; give one of them another \"name\", or bake with "
-        f"--force to take the folder over")
+        f"--force (from Python: force=True) to take the folder over")
 
 
 def set_aside_damaged_db(folder: RunFolder) -> None:

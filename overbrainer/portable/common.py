@@ -7,6 +7,7 @@ overbrainer may not be installed. Standard library only.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -73,8 +74,10 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, fault: str | None =
             os.unlink(tmp)
         except OSError:
             pass
-        if e.filename is None:
-            e.filename = str(path)
+        if e.filename is None or e.filename == str(tmp):
+            # the temp file is this function's, not the user's: name what they can fix, the
+            # folder that refuses new files, or the file that did not fit
+            e.filename = str(path.parent if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else path)
         raise
     if fault:
         faults.point(fault)
@@ -97,7 +100,7 @@ def read_json_lines(path: str | os.PathLike) -> list[dict]:
     """The objects of a JSON Lines file, in file order: a line that is not a whole JSON
     object (torn by a kill, still being written) left out; [] when it cannot be read."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = _lines(Path(path))
     except OSError:
         return []
     out = []
@@ -147,25 +150,35 @@ def append_log(log: Path, message: str) -> None:
 
 def has_metric_line(path: Path) -> bool:
     try:
-        return any('"step"' in line for line in path.read_text().splitlines())
+        return any('"step"' in line for line in _lines(path))
     except OSError:
         return False
 
 
-def truncate_metrics(path: Path, step: int) -> None:
+def truncate_metrics(path: Path, step: int) -> int | None:
     """Drop metric lines past `step`, the checkpoint a resume starts from (they will be
-    logged again). Stage events stay; a line torn by a kill goes."""
+    logged again). Stage events stay; a line torn by a kill, or garbled, goes. The last
+    step that stays, or None."""
     if not path.exists():
-        return
-    keep = []
-    for raw in path.read_text().splitlines():
+        return None
+    keep, last = [], None
+    for raw in _lines(path):
         try:
             record = json.loads(raw)
         except ValueError:
             continue  # a line torn by a kill
+        if not isinstance(record, dict):
+            continue
         if "step" not in record or record["step"] <= step:
             keep.append(raw)
+            last = record.get("step", last)
     write_atomic(path, "".join(k + "\n" for k in keep))
+    return last
+
+
+def _lines(path: Path) -> list[str]:
+    # a byte that is no UTF-8 (a damaged file) spoils its line, not the file
+    return path.read_bytes().decode("utf-8", errors="replace").splitlines()
 
 
 def phase_of(step_index: int, warmup: int, stable: int) -> str:

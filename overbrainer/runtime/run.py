@@ -205,7 +205,7 @@ class Run:
         """The lines of metrics.jsonl so far, as dicts."""
         out = []
         try:
-            text = self.folder.metrics.read_text()
+            text = self.folder.metrics.read_bytes().decode("utf-8", errors="replace")
         except OSError:
             return out
         for raw in text.splitlines():
@@ -358,7 +358,7 @@ class Started:
 def start_unless_done(bake) -> Started:
     """A compiled bake's run, started in a process of its own unless one is running already
     or every step is up to date: what ``overbrainer bake`` and ``overbrainer.bake()`` do."""
-    from ..graph.driver import check_owner, dry_run
+    from ..graph.driver import check_owner, dry_run, owner_fields
 
     check_owner(bake)  # another plan file's folder: refused before anything is followed or started
     run = Run(bake.folder.root)
@@ -366,6 +366,8 @@ def start_unless_done(bake) -> Started:
         return Started(run, "running")
     rows = dry_run(bake)
     if not any(row["run"] for row in rows):
+        if bake.take_over:  # taken over with nothing to redo: it is this plan's from now on all the same
+            journal.update(bake.folder, **owner_fields(bake))
         return Started(run, "done", rows=rows)
     before = run.attempts()
     child = launch(bake)

@@ -120,7 +120,10 @@ def app(root: Path, token: str) -> Starlette:
 
         points = []
         for step, path in ckpt.complete(run.folder.checkpoints):
-            meta = ckpt.read_meta(path)
+            try:
+                meta = ckpt.read_meta(path)
+            except ckpt.DamagedMeta:
+                meta = {"phase": "damaged"}  # the next bake sets it aside
             points.append({"step": step, "phase": meta.get("phase"), "decayed": meta.get("decayed")})
         graph = explain.render(explain.recorded(run.folder), "mermaid", plan="plan.json")
         return {"status": run.status, "progress": run.progress(), "checkpoints": points,

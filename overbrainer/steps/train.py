@@ -100,6 +100,8 @@ def run(bake: Bake, inputs: dict) -> Outputs:
         from ..trackers import require
 
         require(list(bake.plan.report_to))  # before training, in one line
+    # a checkpoint whose sidecar does not read cannot be sorted out by fingerprint
+    ckpt.set_aside_unreadable(folder.checkpoints, say=lambda m: bake.say(f"warning: {m}; training goes on from the checkpoint before it"))
     kept = set_aside_other_runs(folder.root, folder.checkpoints, fp, inputs)
     if kept:
         bake.say(f"train: resumes from {kept.name} (the stable phase is unchanged)")
@@ -339,7 +341,7 @@ def draw_loss(folder: RunFolder) -> None:
 def _read_lines(metrics: Path, seen: int) -> tuple[list[dict], int]:
     """The complete lines of metrics.jsonl after the first `seen`, and the new count."""
     try:
-        raw = metrics.read_text().splitlines()
+        raw = metrics.read_bytes().decode("utf-8", errors="replace").splitlines()  # a damaged byte spoils its line only
     except OSError:
         return [], seen
     if len(raw) < seen:  # truncated by a resume
@@ -366,7 +368,7 @@ def _show(bake: Bake, m: dict, max_steps: int) -> None:
 
 def _line_count(path: Path) -> int:
     try:
-        return len(path.read_text().splitlines())
+        return len(path.read_bytes().splitlines())
     except OSError:
         return 0
 

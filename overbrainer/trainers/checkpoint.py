@@ -76,11 +76,25 @@ def latest_intact(checkpoints: Path, say=print) -> tuple[int, Path] | None:
         why = "a file is missing or changed" if not intact(folder) else unloadable(folder)
         if why is None:
             return step, folder
-        aside = folder.with_name(f"corrupt-{folder.name}")
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(folder, aside)
-        say(f"{folder.name} is damaged ({why}): set aside as {aside.name}")
+        set_aside(folder, why, say)
     return None
+
+
+def set_aside_unreadable(checkpoints: Path, say=print) -> None:
+    """Move each checkpoint whose meta.json does not read (torn, garbled) to
+    ``corrupt-step-N``: without its sidecar nothing of it can be checked or resumed."""
+    for _, folder in complete(checkpoints):
+        try:
+            read_meta(folder)
+        except DamagedMeta as e:
+            set_aside(folder, f"its meta.json is {e.why}", say)
+
+
+def set_aside(folder: Path, why: str, say) -> None:
+    aside = folder.with_name(f"corrupt-{folder.name}")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(folder, aside)
+    say(f"{folder.name} is damaged ({why}): set aside as {aside.name}")
 
 
 def unloadable(folder: Path) -> str | None:
@@ -102,8 +116,25 @@ def unloadable(folder: Path) -> str | None:
     return None
 
 
+class DamagedMeta(ValueError):
+    """A checkpoint's meta.json that does not read as a JSON object: its path and why."""
+
+    def __init__(self, path: Path, why: str):
+        self.path, self.why = path, why
+        super().__init__(f"{path} is damaged: {why}")
+
+
 def read_meta(folder: Path) -> dict:
-    return json.loads((folder / META).read_text())
+    """The checkpoint's sidecar; `DamagedMeta`, naming the file, when it is torn, garbled
+    or not an object (never JSON's own words alone)."""
+    path = folder / META
+    try:
+        meta = json.loads(path.read_bytes())
+    except ValueError:  # JSON's errors and a bad UTF-8 byte alike
+        raise DamagedMeta(path, "not JSON: cut short or garbled") from None
+    if not isinstance(meta, dict):
+        raise DamagedMeta(path, f"a JSON {type(meta).__name__}, not an object")
+    return meta
 
 
 def remove_partial(checkpoints: Path) -> None:

@@ -66,6 +66,26 @@ def test_two_plan_files_with_one_name_never_share_a_run_folder(baked_copy, tmp_p
     assert "--force" in proc.stderr
 
 
+def test_the_api_takes_a_folder_over_only_with_force(baked_copy, tmp_path):
+    import overbrainer
+    from overbrainer.errors import RunStateError
+
+    project = baked_copy()
+    folder = tmp_path / "runs" / "tiny"
+    baked = (folder / "baked" / "model.safetensors").read_bytes()
+    other = tmp_path / "other"
+    shutil.copytree(project.root, other, symlinks=True)
+    (other / "plan.json").write_text(json.dumps(project.plan, indent=3))  # the same settings, another file
+    with pytest.raises(RunStateError, match=r"belongs to .*force=True"):
+        overbrainer.bake(other / "plan.json", runs=tmp_path / "runs")
+    model = overbrainer.bake(other / "plan.json", runs=tmp_path / "runs", force=True, wait=True, show=False)
+    assert model.path == folder / "baked"
+    assert json.loads((folder / "run.json").read_text())["plan_file"] == str((other / "plan.json").resolve())
+    assert (folder / "baked" / "model.safetensors").read_bytes() == baked
+    with pytest.raises(RunStateError, match="belongs to"):  # from then on the other file owns it
+        overbrainer.bake(project.plan_path, runs=tmp_path / "runs")
+
+
 @pytest.mark.parametrize("names", [("ü.json", "é.json"), ("a b.json", "a-b.json")])
 def test_default_names_of_different_files_differ(tmp_path, names):
     from overbrainer.folder import default_name

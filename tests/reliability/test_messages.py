@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -170,17 +172,74 @@ def test_a_folder_that_cannot_be_written_is_one_line():
     assert reason.startswith("/runs/p1/baked: operation not permitted") and "permissions" in reason
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
-def test_a_read_only_run_folder_is_one_line(baked_copy, tmp_path):
+@contextmanager
+def unwritable(path: Path):
+    """`path` made so that this user cannot change what is in it: read-only for a user,
+    immutable (``chattr +i``) for root, whom permissions do not stop."""
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        try:
+            yield
+        finally:
+            path.chmod(0o755)
+        return
+    if not (shutil.which("chattr") and subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0):
+        pytest.skip("running as root, and this filesystem has no chattr +i: root writes into any folder")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+@pytest.mark.parametrize("which", ["run folder", "baked"])
+def test_a_folder_that_cannot_be_written_is_one_line_and_loses_nothing(baked_copy, tmp_path, which):
     project = baked_copy()
     folder = tmp_path / "runs" / "tiny"
-    shutil.rmtree(folder / "baked")
-    folder.chmod(0o555)
-    try:
+    if which == "baked":  # damaged, so that it is baked again: into a folder that will not move
+        model = folder / "baked" / "model.safetensors"
+        model.write_bytes(model.read_bytes()[:1000])
+    else:
+        shutil.rmtree(folder / "baked")
+    # what a bake made (the bake step's own stamp goes with its damaged output); in a folder
+    # that takes no new file, run.json too, unchanged
+    made = ("checkpoints", "merged", ".stamps", "examples.parquet", "config.yaml", "metrics.jsonl", "run.json")
+    before = {p: p.read_bytes() for p in folder.rglob("*")
+              if p.is_file() and p.relative_to(folder).parts[0] in made and p.name != "bake.json"}
+    with unwritable(folder / "baked" if which == "baked" else folder):
         proc = cli("bake", str(project.plan_path), "--foreground", check=2)
-    finally:
-        folder.chmod(0o755)
-    one_line(proc, str(folder))
+    line = one_line(proc, "permissions")
+    assert line.startswith(f"error: {folder / 'baked' if which == 'baked' else folder}:"), line
+    if which == "baked":
+        assert json.loads((folder / "run.json").read_text())["state"] == "failed"
+        before = {p: b for p, b in before.items() if p.name != "run.json"}
+    assert {p: p.read_bytes() for p in before} == before  # no output lost or changed
+
+
+# -- a checkpoint whose meta.json is garbled (item 8's sibling) -------------------------------
+
+def test_a_garbled_meta_json_is_set_aside_and_named_everywhere(baked_copy, references, tmp_path):
+    from overbrainer.chat import Model
+    from overbrainer.errors import RunStateError
+    from overbrainer.trainers.checkpoint import DamagedMeta, read_meta
+
+    project = baked_copy()
+    folder = tmp_path / "runs" / "tiny"
+    final = folder / "checkpoints" / "step-000008"
+    (final / "meta.json").write_text("[1, 2]")
+    with pytest.raises(DamagedMeta, match="a JSON list, not an object"):
+        read_meta(final)
+    (final / "meta.json").write_bytes(os.urandom(600))
+    listed = cli("checkpoints", str(folder))
+    assert "Traceback" not in listed.stderr and "step-000006" in listed.stdout and "step-000008" not in listed.stdout
+    assert listed.stderr.startswith("warning: ") and "step-000008/meta.json is damaged" in listed.stderr
+    with pytest.raises(RunStateError, match="step-000008/meta.json is damaged: not JSON"):
+        Model.checkpoint(folder, 8)
+    proc = cli("bake", str(project.plan_path), "--foreground")
+    assert "Traceback" not in proc.stderr and "JSONDecodeError" not in proc.stderr + proc.stdout
+    assert "warning: step-000008 is damaged (its meta.json is not JSON" in proc.stdout + proc.stderr
+    assert (folder / "checkpoints" / "corrupt-step-000008").is_dir()
+    for name in ("checkpoints/step-000008/adapter_model.safetensors", "baked/model.safetensors"):
+        assert (folder / name).read_bytes() == (references.folder() / name).read_bytes(), name
 
 
 # -- a checkpoint whose state is not plain tensors (item 8) ---------------------------------
