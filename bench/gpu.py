@@ -111,7 +111,7 @@ def prepare(case: dict, args) -> tuple[Path, dict]:
 
     from overbrainer.inputs.conversations import split_conversations
     from overbrainer.plan import TrainSettings
-    from overbrainer.steps.config import build_config, schedule_steps, special_tokens
+    from overbrainer.steps.config import build_config, schedule_steps, special_tokens, write_splits
 
     base = random_model(case["shape"])
     run = work() / f"run-{case['name']}"
@@ -127,7 +127,9 @@ def prepare(case: dict, args) -> tuple[Path, dict]:
         learning_rate=1e-4 if case["adapter"] == "lora" else 1e-5, save_every=10**6, eval_every=10**6, seed=0,
         device=args.device, bf16="auto", liger=case.get("liger", False),
     )
-    cfg = build_config(settings, str(base), schedule_steps(settings, summary.train), special_tokens(base))
+    cfg = build_config(settings, str(base), schedule_steps(settings, summary.train), special_tokens(base),
+                       has_validation=False)
+    write_splits(run / "examples.parquet", run)  # train.parquet, which config.yaml names
     (run / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     return run, cfg
 
@@ -275,14 +277,17 @@ def worker_trl(run: Path, mode: str, device: str, result: Path) -> None:
     }))
 
 
-def run_trl(run: Path, mode: str, device: str) -> dict:
+def run_trl(run: Path, mode: str, device: str, timeout: float) -> dict:
     out = run / f"{mode}.json"
     out.unlink(missing_ok=True)
-    proc = subprocess.run([PY, __file__, "--worker", mode, "--run", str(run), "--device", device, "--result", str(out)],
-                          cwd=run, env=thread_env(os.cpu_count() or 1), capture_output=True, text=True)
+    try:
+        proc = subprocess.run([PY, __file__, "--worker", mode, "--run", str(run), "--device", device, "--result",
+                               str(out)], cwd=run, env=thread_env(os.cpu_count() or 1), capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"timed out after {timeout:.0f} s: {(e.stderr or b'')[-1500:]!r}") from None
     if proc.returncode != 0 or not out.exists():
-        lines = [x for x in proc.stderr.strip().splitlines() if x.strip()] or [f"exit {proc.returncode}"]
-        raise RuntimeError(lines[-1][:300])
+        raise RuntimeError(proc.stderr.strip()[-1500:] or f"exit {proc.returncode}")
     return json.loads(out.read_text())
 
 
@@ -306,14 +311,17 @@ def contender(name: str, case: dict, run: Path, cfg: dict, args, peak: float) ->
         if name.startswith("builtin"):
             processes = shard_processes(args.device) if name == "builtin-shard" else 0
             set_contender(run, cfg, liger=name == "builtin-liger", processes=processes)
-            got = run_builtin(run, max(1, (os.cpu_count() or 1) // max(processes, 1)), processes)
+            got = run_builtin(run, max(1, (os.cpu_count() or 1) // max(processes, 1)), processes,
+                              timeout=args.contender_timeout)
             lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
             memory = max((x.get("memory", 0) for x in lines if "step" in x), default=0) or None
             got["peak_memory"] = memory
         else:
-            got = run_trl(run, name, args.device)
+            got = run_trl(run, name, args.device, args.contender_timeout)
     except (RuntimeError, SystemExit) as e:
-        row["error"] = str(e).strip().splitlines()[-1][:300]
+        lines = [x for x in str(e).strip().splitlines() if x.strip() and not set(x.strip()) <= set("=-")]
+        row["error"] = (lines or ["(no message)"])[-1][:300]
+        row["error_tail"] = str(e)[-1500:]  # in gpu.json: the rest of what it printed
         return row
     row["tokens_per_s"] = round(steady(got["ends"], useful, args.skip), 1)
     row["mfu"] = round(steady(got["ends"], flops, args.skip) / peak, 4)
@@ -334,6 +342,9 @@ def main() -> int:
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--only", default="", help="comma-separated case names (1.7b-lora, 1.7b-full, 135m-lora, 135m-full)")
     ap.add_argument("--no-pytest", action="store_true")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds for the whole run: a contender that cannot start with 30 s left is skipped")
+    ap.add_argument("--contender-timeout", type=float, default=240, help="seconds before one contender is killed")
     ap.add_argument("--worker"), ap.add_argument("--run"), ap.add_argument("--result")
     args = ap.parse_args()
     if args.worker:
@@ -373,8 +384,21 @@ def main() -> int:
         cases = [c for c in cases if c["name"] in args.only.split(",")]
     elif not tiny:
         cases = [c for c in cases if c["name"] != "135m-full"]  # no goal names it; the 8 minutes are short
+    began = time.monotonic()
+    left = (lambda: args.deadline - (time.monotonic() - began)) if args.deadline else (lambda: float("inf"))
+    out_json = Path(os.environ["OUT"]) / "gpu.json" if os.environ.get("OUT") else None
+
+    def save(report: dict | None = None) -> None:
+        """gpu.json as it stands: after every contender, so a run cut short keeps its rows."""
+        if out_json:
+            out_json.write_text(json.dumps({"device": args.device, "peak_flops": peak, "rows": rows,
+                                            **(report or {})}, indent=1))
+
     rows = []
     for case in cases:
+        if left() < 30:
+            rows.append({"case": case["name"], "contender": "(all)", "error": "skipped: --deadline reached"})
+            continue
         run, cfg = prepare(case, args)
         names = ["builtin", "trl", "trl-padfree"]
         if liger:
@@ -386,27 +410,32 @@ def main() -> int:
         if case["adapter"] == "full" and case["shape"] == shapes[0]:
             names.append("builtin-shard")  # train.shard: FSDP2 (the bigger full fine-tune only: 8 minutes)
         for name in names:
+            if left() < 30:
+                rows.append({"case": case["name"], "contender": name, "error": "skipped: --deadline reached"})
+                continue
             t = time.monotonic()
+            args.contender_timeout = min(args.contender_timeout, max(left(), 30))
             row = contender(name, case, run, cfg, args, peak)
             row["wall_s"] = round(time.monotonic() - t, 1)
             rows.append(row)
             print(f"  {case['name']:10} {name:14} " + (f"failed: {row['error']}" if "error" in row else
                   f"{row['tokens_per_s']:>10.0f} tok/s  MFU {row['mfu']:.1%}  peak {row['peak_memory_gib']} GiB"
                   f"  ({row['wall_s']} s)"), flush=True)
+            save()
     report = summarize(rows)
     print(report["table"])
     for line in report["goals"]:
         print(line)
+    save(report)
     if not args.no_pytest:
         proc = subprocess.run([PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_gpu.py"],
                               cwd=REPO, capture_output=True, text=True)
         tail = (proc.stdout.strip().splitlines() or proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         print(f"# pytest -m gpu: exit {proc.returncode}: {tail}")
         report["pytest"] = {"exit": proc.returncode, "tail": (proc.stdout + proc.stderr)[-3000:]}
-    if os.environ.get("OUT"):
-        path = Path(os.environ["OUT"]) / "gpu.json"
-        path.write_text(json.dumps({"device": args.device, "peak_flops": peak, "rows": rows, **report}, indent=1))
-        print(f"# results: {path}")
+    if out_json:
+        save(report)
+        print(f"# results: {out_json}")
     return 0
 
 

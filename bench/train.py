@@ -108,7 +108,7 @@ def prepare(args) -> tuple[Path, dict]:
 
     from overbrainer.inputs.conversations import split_conversations
     from overbrainer.plan import TrainSettings
-    from overbrainer.steps.config import build_config, schedule_steps, special_tokens
+    from overbrainer.steps.config import build_config, schedule_steps, special_tokens, write_splits
 
     base = model_folder(args.model)
     run = work_dir("train") / f"run-{args.model}"
@@ -126,7 +126,9 @@ def prepare(args) -> tuple[Path, dict]:
         group_by_length=not args.no_group_by_length, bf16=args.bf16,
     )
     steps = schedule_steps(settings, summary.train)
-    cfg = build_config(settings, str(base), steps, special_tokens(base))
+    cfg = build_config(settings, str(base), steps, special_tokens(base),
+                       has_validation=False)
+    write_splits(run / "examples.parquet", run)  # train.parquet, which config.yaml names
     import yaml
 
     (run / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -162,9 +164,10 @@ def thread_env(threads: int) -> dict:
                 TRANSFORMERS_VERBOSITY="error")
 
 
-def run_builtin(run: Path, threads: int, processes: int = 0) -> dict:
+def run_builtin(run: Path, threads: int, processes: int = 0, timeout: float | None = None) -> dict:
     """The real trainer process; its CPU time is read at each new metrics line.
-    `processes`: that many under torchrun instead (its CPU time is the launcher's)."""
+    `processes`: that many under torchrun instead (its CPU time is the launcher's).
+    `timeout`: seconds before the process (and its workers) are killed and this fails."""
     import psutil
 
     metrics = run / "metrics.jsonl"
@@ -176,10 +179,16 @@ def run_builtin(run: Path, threads: int, processes: int = 0) -> dict:
     cpu: dict[int, float] = {}
     with open(run / "trainer.log", "wb") as log:
         start = time.perf_counter()
-        proc = subprocess.Popen(argv, cwd=run, env=thread_env(threads), stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, cwd=run, env=thread_env(threads), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         me = psutil.Process(proc.pid)
         seen, peak_kb = 0, 0
         while proc.poll() is None:
+            if timeout is not None and time.perf_counter() - start > timeout:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+                raise SystemExit(f"trainer timed out after {timeout:.0f} s: "
+                                 f"{(run / 'trainer.log').read_text()[-2000:]}")
             try:
                 text = metrics.read_text()
             except OSError:

@@ -118,7 +118,7 @@ def test_sharded_alone_on_the_gpu(project, tmp_path):
     plain = Path(bake_json(str(project.plan_path), "--runs", str(tmp_path / "plain"))["folder"])
     run = tmp_path / "sharded"
     run.mkdir()
-    for name in ("config.yaml", "examples.parquet"):
+    for name in ("config.yaml", "examples.parquet", "train.parquet", "validation.parquet"):
         shutil.copy(plain / name, run / name)
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     (run / "config.yaml").write_text(yaml.safe_dump({**cfg, "shard": True}))
