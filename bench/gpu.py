@@ -22,8 +22,8 @@ What it does, in order:
    - ``builtin-shard`` (the full fine-tunes): the same under ``train.shard``, FSDP2 over every
      GPU under torchrun (on one GPU a world of one: FSDP2's code path and its bf16 policy,
      with nothing to share), or 2 gloo processes with ``--device cpu``;
-   - ``trl``: SFTTrainer, bf16, sdpa, padded batches; ``trl-padfree``: ``padding_free=True``;
-     ``trl-liger``: padding-free with ``use_liger_kernel=True`` (TRL 1.16: RMSNorm, RoPE and
+   - ``trl-padfree``: SFTTrainer, bf16, sdpa, ``padding_free=True`` (``trl``: padded batches,
+     with ``--padded``); ``trl-liger``: padding-free with ``use_liger_kernel=True`` (TRL 1.16: RMSNorm, RoPE and
      SwiGLU; its own chunked LM head). Gradient checkpointing off on both sides.
 3. prints per contender: useful tokens/s (non-pad tokens, steady state: steps after
    ``--skip``), peak GPU memory (``torch.cuda.max_memory_allocated``), MFU and the largest
@@ -125,7 +125,7 @@ def prepare(case: dict, args) -> tuple[Path, dict]:
         adapter=case["adapter"], steps=args.steps, micro_batch_size=args.batch, gradient_accumulation_steps=1,
         sequence_len=args.max_len, lora_r=16, lora_alpha=32, lora_dropout=0.0, lora_target_modules=TARGETS,
         learning_rate=1e-4 if case["adapter"] == "lora" else 1e-5, save_every=10**6, eval_every=10**6, seed=0,
-        device=args.device, bf16="auto", liger=case.get("liger", False),
+        device=args.device, bf16="auto",
     )
     cfg = build_config(settings, str(base), schedule_steps(settings, summary.train), special_tokens(base),
                        has_validation=False)
@@ -141,6 +141,7 @@ def set_contender(run: Path, cfg: dict, liger: bool, processes: int = 0) -> None
     import yaml
 
     cfg = dict(cfg)
+    cfg.pop("liger", None)  # train.liger "auto" (the default): each contender says on or off itself
     for key in ("liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy"):
         cfg[key] = liger
     if processes:
@@ -342,6 +343,7 @@ def main() -> int:
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--only", default="", help="comma-separated case names (1.7b-lora, 1.7b-full, 135m-lora, 135m-full)")
     ap.add_argument("--no-pytest", action="store_true")
+    ap.add_argument("--padded", action="store_true", help="TRL with padded batches too (its slowest)")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds for the whole run: a contender that cannot start with 30 s left is skipped")
     ap.add_argument("--contender-timeout", type=float, default=240, help="seconds before one contender is killed")
@@ -400,13 +402,16 @@ def main() -> int:
             rows.append({"case": case["name"], "contender": "(all)", "error": "skipped: --deadline reached"})
             continue
         run, cfg = prepare(case, args)
-        names = ["builtin", "trl", "trl-padfree"]
+        # TRL padded (`trl`) only with --padded: on 2026-12-04 it was TRL's slowest (bench/README)
+        names = ["builtin", "trl", "trl-padfree"] if args.padded else ["builtin", "trl-padfree"]
         if liger:
-            names[1:1] = ["builtin-liger"]
+            names[1:1] = ["builtin-liger"]  # train.liger "auto" on a CUDA GPU: the built-in's default there
             names.append("trl-liger")
-        if case["shape"] != shapes[0] or case["adapter"] == "full":
-            # the goal's case runs every contender; the others the built-in's default and TRL's padding-free
-            names = [n for n in names if n in ("builtin", "trl-padfree")]
+        if case["shape"] != shapes[0]:
+            # the goal's cases run every contender; the smaller model the built-in's and TRL's padding-free
+            names = [n for n in names if n in ("builtin", "builtin-liger" if liger else "builtin", "trl-padfree")]
+        elif case["adapter"] == "full":
+            names = [n for n in names if n != "trl-liger"]
         if case["adapter"] == "full" and case["shape"] == shapes[0]:
             names.append("builtin-shard")  # train.shard: FSDP2 (the bigger full fine-tune only: 8 minutes)
         for name in names:

@@ -38,6 +38,14 @@ def test_parameters_and_batches_are_on_the_gpu(project, tmp_path):
     folder = Path(bake_json(str(project.plan_path))["folder"])
     assert meta(folder)["device"] == "cuda:0" and meta(folder)["bf16"] is True  # "auto" on a bf16 GPU
     assert "on cuda:0, computing in bf16" in (folder / "log.txt").read_text()
+    try:  # train.liger "auto": Liger's kernels where liger_kernel imports
+        import liger_kernel.transformers  # noqa: F401
+
+        liger = True
+    except ImportError:
+        liger = False
+    assert meta(folder)["liger"] is liger
+    assert ("with Liger's kernels" in (folder / "log.txt").read_text()) is liger
     probe = f"""
 import sys, yaml, torch
 from pathlib import Path

@@ -188,11 +188,14 @@ def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: di
         "gradient_checkpointing": train.gradient_checkpointing,
         "torch_compile": train.compile,
         # Axolotl's names for Liger's kernels (its LigerPlugin); the built-in trainer reads them too
-        "liger_rope": train.liger or None,
-        "liger_rms_norm": train.liger or None,
-        "liger_glu_activation": train.liger or None,
-        "liger_fused_linear_cross_entropy": train.liger or None,
-        "plugins": ["axolotl.integrations.liger.LigerPlugin"] if train.liger else None,
+        "liger_rope": train.liger is True or None,
+        "liger_rms_norm": train.liger is True or None,
+        "liger_glu_activation": train.liger is True or None,
+        "liger_fused_linear_cross_entropy": train.liger is True or None,
+        "plugins": ["axolotl.integrations.liger.LigerPlugin"] if train.liger is True else None,
+        # the built-in trainer's own: "auto" turns them on where it computes on a CUDA GPU
+        # (Axolotl has no "auto": for it, as for a CPU, "auto" is off)
+        "liger": "auto" if train.liger == "auto" and train.trainer == "builtin" else None,
         # the built-in trainer's own: FSDP2 (train.shard; refused with Axolotl)
         "shard": train.shard or None,
     }

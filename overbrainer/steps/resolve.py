@@ -63,9 +63,10 @@ def hardware_problems(bake: Bake) -> list[str]:
     asks (a GPU it lacks, more processes than GPUs, QLoRA without bitsandbytes, Liger off
     CUDA), one line each. A plan that asks nothing of the kind costs no torch import."""
     train = bake.plan.train
-    asks = train.device not in ("auto", "cpu") or train.processes > 1 or train.adapter == "qlora" or train.liger
+    asks = (train.device not in ("auto", "cpu") or train.processes > 1 or train.adapter == "qlora"
+            or train.liger is True)
     if train.trainer != "builtin" or bake.plan.where != "here" or not asks:
         return []
     from ..trainers.builtin.device import problems
 
-    return problems(train.device, train.processes, train.adapter, train.liger)
+    return problems(train.device, train.processes, train.adapter, train.liger is True)

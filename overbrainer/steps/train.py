@@ -39,7 +39,7 @@ VERSION = 1
 # The math is the same; the bits are the same only on the same device and build.
 # (dataset_prepared_path is where Axolotl caches its tokenized data: keyed by all of the
 # config, it changes with these too, and names no part of the run)
-HOW_IT_COMPUTES = ("device", "deterministic", "torch_compile", "gradient_checkpointing", "liger_rope",
+HOW_IT_COMPUTES = ("device", "deterministic", "torch_compile", "gradient_checkpointing", "liger", "liger_rope",
                    "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy",
                    "dataset_prepared_path")
 # config.yaml keys that say what is looked at while it trains, not what it trains: greedy

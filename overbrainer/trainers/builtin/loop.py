@@ -108,6 +108,10 @@ def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = 
     world.connect(device)
     torch.manual_seed(cfg["seed"])  # the same initial adapter on every rank
     bf16 = hw.use_bf16(cfg.get("bf16", False), device)
+    if cfg.get("liger") == "auto":  # train.liger "auto": Liger's kernels where they were measured to help
+        on = hw.use_liger(device, sharded=world.shard, quantized=cfg.get("adapter") == "qlora",
+                          deterministic=deterministic)
+        cfg.update(dict.fromkeys(hw.LIGER_KEYS, on))
     # sharded, every rank builds the model in host memory and `fully_shard` moves its own
     # slice of each layer to the device: the whole model is never on one GPU
     model, tokenizer = load_model(cfg, torch.device("cpu") if world.shard else device, bf16, sharded=world.shard)
@@ -337,6 +341,7 @@ def save(t: Training, k: int) -> None:
         "shard": t.world.shard,
         "device": str(t.device),
         "bf16": t.bf16,
+        "liger": bool(cfg.get("liger_fused_linear_cross_entropy")),
         "peak_memory": hw.peak_memory(t.device),
     }
     try:
@@ -391,6 +396,7 @@ def train(config_path: Path, device: str = "auto", deterministic: bool = False) 
         f"({len(t.val_set)} for validation), {max_steps} steps of {cfg['micro_batch_size']}x"
         f"{cfg['gradient_accumulation_steps']} on {t.device}"
         + (", computing in bf16" if t.bf16 else "")
+        + (" with Liger's kernels" if cfg.get("liger_fused_linear_cross_entropy") else "")
         + (f" shared by {world.size} processes" if world.size > 1 else "")
         + (" (sharded: FSDP2)" if world.shard else "")
     )
