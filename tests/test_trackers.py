@@ -50,7 +50,12 @@ def test_trackers_mirror_a_killed_and_resumed_bake(project, tmp_path, monkeypatc
     while (journal.read(folder).get("trackers") or {}).get("step", 0) < 5:
         assert time.monotonic() < deadline, "the bake did not mirror step 5"
         time.sleep(0.05)
-    assert folder.loss_plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn at checkpoint 3, before the bake
+    # drawn at checkpoint 3, before the kill; the bake draws it after it mirrors the lines
+    # it read in the same poll, so one slow to poll (a busy machine) mirrors step 5 first
+    while not folder.loss_plot.exists():
+        assert time.monotonic() < deadline, "the bake did not draw the loss curve at checkpoint 3"
+        time.sleep(0.05)
+    assert folder.loss_plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     supervisor = psutil.Process(journal.read(folder)["process"]["pid"])
     supervisor.send_signal(signal.SIGKILL)
     for p in held:

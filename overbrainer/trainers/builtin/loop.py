@@ -215,14 +215,17 @@ def resume(t: Training, step: int, folder: Path, meta: dict) -> None:
     print(f"resuming from {folder.name} (step {step} of {t.cfg['max_steps']}{moved})", flush=True)
 
 
-def restore_metric_line(t: Training, metrics_path: Path, warmup: int, stable: int) -> None:
+def restore_metric_line(t: Training, metrics_path: Path, warmup: int, stable: int, evaluated: bool) -> None:
     """The metric line of the step resumed from, when metrics.jsonl lost it (deleted or
-    damaged): rebuilt from the checkpoint (its loss, eval loss, tokens, seconds) and the
-    schedule (that step's learning rate), so that the run's record ends at its last step."""
+    damaged): rebuilt from the checkpoint (its loss, tokens, seconds, and its eval loss when
+    that step `evaluated`) and the schedule (that step's learning rate), as the loop wrote
+    it, so that the run's record ends at its last step."""
     index = t.step - 1
     lr = t.scheduler.base_lrs[0] * t.scheduler.lr_lambdas[0](index)
-    line = {"step": t.step, "tokens": t.tokens, "loss": t.last["loss"], "lr": lr, "eval_loss": t.last["eval_loss"],
-            "seconds": round(t.seconds, 3), "phase": phase_of(index, warmup, stable), "restored": True}
+    line = {"step": t.step, "tokens": t.tokens, "loss": t.last["loss"], "lr": lr}
+    if evaluated:  # the checkpoint's eval loss is an earlier step's otherwise
+        line["eval_loss"] = t.last["eval_loss"]
+    line.update(seconds=round(t.seconds, 3), phase=phase_of(index, warmup, stable), restored=True)
     with open(metrics_path, "a") as f:
         f.write(json.dumps(line) + "\n")
     t.say(f"warning: {metrics_path.name} had no line for step {t.step} (deleted or damaged): that line is "
@@ -387,7 +390,8 @@ def train(config_path: Path, device: str = "auto", deterministic: bool = False) 
     samples = cfg.get("samples")
     if world.main:
         if t.step and truncate_metrics(metrics_path, t.step) != t.step:
-            restore_metric_line(t, metrics_path, warmup, stable)
+            evaluated = t.step % eval_every == 0 or t.step == max_steps
+            restore_metric_line(t, metrics_path, warmup, stable, evaluated)
         # the samples past the checkpoint are taken again (from scratch: step 0's too)
         truncate_metrics(folder.samples, t.step if t.step else -1)
         stopped_marker.unlink(missing_ok=True)
