@@ -281,14 +281,17 @@ def worker_trl(run: Path, mode: str, device: str, result: Path) -> None:
 def run_trl(run: Path, mode: str, device: str, timeout: float) -> dict:
     out = run / f"{mode}.json"
     out.unlink(missing_ok=True)
+    proc = subprocess.Popen([PY, __file__, "--worker", mode, "--run", str(run), "--device", device, "--result",
+                             str(out)], cwd=run, env=thread_env(os.cpu_count() or 1), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        proc = subprocess.run([PY, __file__, "--worker", mode, "--run", str(run), "--device", device, "--result",
-                               str(out)], cwd=run, env=thread_env(os.cpu_count() or 1), capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        raise RuntimeError(f"timed out after {timeout:.0f} s: {(e.stderr or b'')[-1500:]!r}") from None
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the worker and whatever it started
+        _, stderr = proc.communicate()
+        raise RuntimeError(f"timed out after {timeout:.0f} s: {stderr[-1500:]}") from None
     if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(proc.stderr.strip()[-1500:] or f"exit {proc.returncode}")
+        raise RuntimeError(stderr.strip()[-1500:] or f"exit {proc.returncode}")
     return json.loads(out.read_text())
 
 

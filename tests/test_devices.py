@@ -105,18 +105,19 @@ def test_how_it_computes_is_not_what_it_trains(baked_copy):
     the run: a finished bake stays done (config.yaml is rewritten, nothing retrains)."""
     project = baked_copy()
     folder = project.root.parent / "runs" / "tiny"
-    assert "liger: auto" in (folder / "config.yaml").read_text()  # train.liger's default
+    assert "liger" not in (folder / "config.yaml").read_text()  # train.liger "auto", the default
     project.write(gradient_checkpointing=True, device="cpu", deterministic=True, liger=False)
     report = bake_json(str(project.plan_path))
     assert "config" in report["ran"] and "train" not in report["ran"], report
     config = (Path(report["folder"]) / "config.yaml").read_text()
-    assert "gradient_checkpointing: true" in config and "liger" not in config
+    assert "gradient_checkpointing: true" in config and "liger: false" in config
 
 
-def test_liger_auto_is_on_only_where_it_was_measured(project, references):
-    """train.liger "auto" (the default) is the built-in trainer's to resolve: off on a CPU
-    (the run trains and its sidecar says so), and off for shards, 4-bit bases and
-    deterministic kernels even on a GPU; Axolotl gets no "auto", only an explicit true."""
+def test_liger_auto_is_on_only_where_it_was_measured(references):
+    """train.liger "auto" (the default; config.yaml names no Liger key) is the built-in
+    trainer's to resolve: off on a CPU (the run trains and its sidecar says so), and on a
+    GPU only for what was measured, LoRA in one process; false is written as such, true as
+    Axolotl's four keys and its plugin; Axolotl gets no "auto"."""
     import torch
 
     from overbrainer.steps.config import build_config
@@ -125,17 +126,25 @@ def test_liger_auto_is_on_only_where_it_was_measured(project, references):
     if not cuda_here():
         assert meta(references.folder())["liger"] is False
         assert "with Liger's kernels" not in (references.folder() / "log.txt").read_text()
-    assert not hw.use_liger(torch.device("cpu"))
+    lora = {"adapter": "lora"}
+    assert not hw.use_liger(torch.device("cpu"), lora)
     gpu = torch.device("cuda", 0)  # asked about, not used: each of these is off before CUDA is touched
-    assert not any(hw.use_liger(gpu, **{why: True}) for why in ("sharded", "quantized", "deterministic"))
+    for cfg, processes, deterministic in (({"adapter": "full"}, 1, False), ({"adapter": "qlora"}, 1, False),
+                                          (lora, 2, False), ({**lora, "shard": True}, 1, False),
+                                          ({**lora, "torch_compile": True}, 1, False), (lora, 1, True)):
+        assert not hw.use_liger(gpu, cfg, processes, deterministic), cfg
     steps, tokens = {"max_steps": 8, "warmup": 1, "stable": 5, "decay": 2}, {}
     auto = build_config(TrainSettings(), "../base", steps, tokens)
-    assert auto["liger"] == "auto" and not any(k in auto for k in hw.LIGER_KEYS) and "plugins" not in auto
-    axolotl = build_config(TrainSettings(trainer="axolotl"), "../base", steps, tokens)
-    assert "liger" not in axolotl and not any(k in axolotl for k in hw.LIGER_KEYS)
-    on = build_config(TrainSettings(liger=True), "../base", steps, tokens)
-    assert all(on[k] is True for k in hw.LIGER_KEYS) and "liger" not in on
-    assert on["plugins"] == ["axolotl.integrations.liger.LigerPlugin"]
+    assert not any(k in auto for k in ("liger", "plugins", *hw.LIGER_KEYS))
+    off = build_config(TrainSettings(liger=False), "../base", steps, tokens)
+    assert off["liger"] is False and not any(k in off for k in hw.LIGER_KEYS)
+    for trainer in ("builtin", "axolotl"):
+        on = build_config(TrainSettings(liger=True, trainer=trainer), "../base", steps, tokens)
+        assert all(on[k] is True for k in hw.LIGER_KEYS) and "liger" not in on
+        assert on["plugins"] == ["axolotl.integrations.liger.LigerPlugin"]
+    for value in ("auto", False):
+        axolotl = build_config(TrainSettings(trainer="axolotl", liger=value), "../base", steps, tokens)
+        assert not any(k in axolotl for k in ("liger", "plugins", *hw.LIGER_KEYS))
 
 
 # -- what is checked without training ------------------------------------------------------

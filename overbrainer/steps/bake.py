@@ -22,6 +22,7 @@ from ..fsio import replace_folder
 from ..inputs.base_model import hub_base
 from ..stamps import outputs_digest
 from . import Outputs, upstream
+from .train import HOW_IT_COMPUTES_SETTINGS
 
 if TYPE_CHECKING:
     from .context import Bake
@@ -47,7 +48,8 @@ def inputs(bake: Bake) -> dict:
             "license": bake.plan.bake.license or _license(bake),
             "datasets": sorted({s.entry.partition("@")[0].partition(":")[0] for s in bake.sources if s.kind == "hub"}),
             "data": split.summary,
-            "train": bake.plan.train.model_dump(mode="json"),
+            # what it trains, not how the steps computed it (a finished run stays baked)
+            "train": bake.plan.train.model_dump(mode="json", exclude=set(HOW_IT_COMPUTES_SETTINGS)),
             "result": train.summary,
         },
     }

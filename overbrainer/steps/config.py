@@ -193,9 +193,10 @@ def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: di
         "liger_glu_activation": train.liger is True or None,
         "liger_fused_linear_cross_entropy": train.liger is True or None,
         "plugins": ["axolotl.integrations.liger.LigerPlugin"] if train.liger is True else None,
-        # the built-in trainer's own: "auto" turns them on where it computes on a CUDA GPU
-        # (Axolotl has no "auto": for it, as for a CPU, "auto" is off)
-        "liger": "auto" if train.liger == "auto" and train.trainer == "builtin" else None,
+        # the built-in trainer's own: with no Liger key, it turns them on where they were
+        # measured to help ("auto", the default); false says never. (Axolotl has no "auto":
+        # for it, as for a CPU, "auto" is off.)
+        "liger": False if train.liger is False and train.trainer == "builtin" else None,
         # the built-in trainer's own: FSDP2 (train.shard; refused with Axolotl)
         "shard": train.shard or None,
     }

@@ -118,14 +118,17 @@ def use_bf16(setting, device: torch.device) -> bool:
 LIGER_KEYS = ("liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy")
 
 
-def use_liger(device: torch.device, sharded: bool = False, quantized: bool = False,
-              deterministic: bool = False) -> bool:
-    """train.liger "auto": Liger's kernels on a CUDA GPU where liger_kernel imports (on one
-    H200, LoRA of a 1.7B Llama: +20% useful tokens/s and -26% peak memory at the same loss,
-    bench/README section 7). Off on a CPU or mps (Triton kernels), and for FSDP2 shards,
-    4-bit bases and train.deterministic (torch's deterministic mode does not reach Triton's
-    kernels), where they were not measured."""
-    if device.type != "cuda" or sharded or quantized or deterministic:
+def use_liger(device: torch.device, cfg: dict, processes: int = 1, deterministic: bool = False) -> bool:
+    """train.liger "auto": Liger's kernels where they were measured to help: LoRA in one
+    process on a CUDA GPU, where liger_kernel imports (on one H200, LoRA of a 1.7B Llama:
+    +20% useful tokens/s and -26% peak memory at the same loss, bench/README section 7).
+    Off on a CPU or mps (Triton kernels), and where nobody has measured them yet: a full
+    fine-tune, QLoRA's 4-bit base, several processes or shards, compiled layers, and
+    deterministic kernels (torch's deterministic mode does not reach Triton's). `true`
+    in the plan turns them on in those cases too."""
+    if device.type != "cuda" or cfg.get("adapter") != "lora" or processes > 1 or cfg.get("shard"):
+        return False
+    if cfg.get("torch_compile") or deterministic:
         return False
     try:
         import liger_kernel.transformers  # noqa: F401

@@ -108,10 +108,9 @@ def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = 
     world.connect(device)
     torch.manual_seed(cfg["seed"])  # the same initial adapter on every rank
     bf16 = hw.use_bf16(cfg.get("bf16", False), device)
-    if cfg.get("liger") == "auto":  # train.liger "auto": Liger's kernels where they were measured to help
-        on = hw.use_liger(device, sharded=world.shard, quantized=cfg.get("adapter") == "qlora",
-                          deterministic=deterministic)
-        cfg.update(dict.fromkeys(hw.LIGER_KEYS, on))
+    if cfg.get("liger", "auto") == "auto" and not any(cfg.get(k) for k in hw.LIGER_KEYS):
+        # train.liger "auto" (config.yaml names no Liger kernel): where they were measured to help
+        cfg.update(dict.fromkeys(hw.LIGER_KEYS, hw.use_liger(device, cfg, world.size, deterministic)))
     # sharded, every rank builds the model in host memory and `fully_shard` moves its own
     # slice of each layer to the device: the whole model is never on one GPU
     model, tokenizer = load_model(cfg, torch.device("cpu") if world.shard else device, bf16, sharded=world.shard)
@@ -137,6 +136,13 @@ def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     fused_loss = bool(cfg.get("liger_fused_linear_cross_entropy"))
+    if fused_loss and "lm_head" in (cfg.get("lora_target_modules") or ()):
+        # Liger's fused loss takes the output layer's weight alone: an adapter on it would
+        # get no gradient, so the output layer and its loss stay plain (the rest is Liger's)
+        cfg["liger_fused_linear_cross_entropy"] = fused_loss = False
+        if world.main:
+            print("lm_head carries a LoRA adapter: its loss is not fused (Liger's fused loss cannot take an "
+                  "adapter)", flush=True)
     loss = TokenLoss(fused=fused_loss, mask=device.type != "cuda")
     decoder = world.wrap(Decoder(model, loss), device, layers=decoder_layers(model), bf16=bf16)
     # after the wrap: sharded, the parameters are this rank's slices (DTensors)
@@ -207,7 +213,7 @@ def resume(t: Training, step: int, folder: Path, meta: dict) -> None:
         torch.manual_seed(t.cfg["seed"] + 7919 * t.world.rank + 104729 * step)
     t.step, t.saved_step = step, step
     t.tokens, t.seconds = meta["tokens"], meta["seconds"]
-    t.last = {"loss": meta.get("loss"), "eval_loss": meta.get("eval_loss")}
+    t.last = {"loss": meta.get("loss"), "eval_loss": meta.get("eval_loss"), "eval_step": meta.get("eval_step")}
     moved = f", saved on {meta['device']}" if meta.get("device", str(t.device)) != str(t.device) else ""
     made = meta.get("world_size", 1)
     if made != t.world.size:
@@ -329,6 +335,7 @@ def save(t: Training, k: int) -> None:
         "decayed": phase == "decay" or (k == cfg["max_steps"] and cfg["lr_scheduler_kwargs"]["num_decay_steps"] > 0),
         "loss": t.last["loss"],
         "eval_loss": t.last["eval_loss"],
+        "eval_step": t.last.get("eval_step"),  # the step that eval loss is from
         "lr": t.scheduler.get_last_lr()[0],
         "tokens": t.tokens,
         "seconds": round(t.seconds, 3),
@@ -390,7 +397,10 @@ def train(config_path: Path, device: str = "auto", deterministic: bool = False) 
     samples = cfg.get("samples")
     if world.main:
         if t.step and truncate_metrics(metrics_path, t.step) != t.step:
-            evaluated = t.step % eval_every == 0 or t.step == max_steps
+            # the checkpoint says which step its eval loss is from (older ones do not: then
+            # this run's rule, which a checkpoint of a run of another length may not follow)
+            made = t.last.get("eval_step")
+            evaluated = made == t.step if made is not None else t.step % eval_every == 0 or t.step == max_steps
             restore_metric_line(t, metrics_path, warmup, stable, evaluated)
         # the samples past the checkpoint are taken again (from scratch: step 0's too)
         truncate_metrics(folder.samples, t.step if t.step else -1)
@@ -448,7 +458,7 @@ def train(config_path: Path, device: str = "auto", deterministic: bool = False) 
         if t.step % eval_every == 0 or t.step == max_steps:
             value = evaluate(t)
             line["eval_loss"] = round(value, 6) if value is not None else None
-            t.last["eval_loss"] = line["eval_loss"]
+            t.last["eval_loss"], t.last["eval_step"] = line["eval_loss"], t.step
         t.seconds = time.monotonic() - started
         line.update(seconds=round(t.seconds, 3), phase=phase)
         if t.device.type == "cuda":

@@ -150,7 +150,8 @@ class TokenLoss:
             # Liger's kernel is an autograd function autocast does not reach: the weight in
             # the hidden states' dtype (bf16 under autocast), as autocast would cast it
             weight = head.weight if head.weight.dtype == kept.dtype else head.weight.to(kept.dtype)
-            return self.flce(weight, kept, targets[where])
+            bias = head.bias if head.bias is None or head.bias.dtype == kept.dtype else head.bias.to(kept.dtype)
+            return self.flce(weight, kept, targets[where], bias)
         return F.cross_entropy(head(kept).float(), targets[where], reduction="sum")
 
 
