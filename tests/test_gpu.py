@@ -155,3 +155,18 @@ def test_two_gpus_sharded_match_ddp(project, tmp_path):
     for a, b in zip(metric_lines(ddp), metric_lines(sharded), strict=True):
         assert a["tokens"] == b["tokens"] and b["loss"] == pytest.approx(a["loss"], rel=1e-3)
     assert (sharded / "merged" / "model.safetensors").is_file()
+
+
+def test_liger_leaves_a_lora_on_lm_head_its_gradient(project):
+    """Liger's fused loss takes the output layer's weight alone: with lm_head among the
+    LoRA targets the trainer keeps that loss plain (and says so), so the adapter on lm_head
+    trains; the other kernels stay Liger's."""
+    pytest.importorskip("liger_kernel")
+    from safetensors import safe_open
+
+    project.write(device="cuda", lora_target_modules=["q_proj", "v_proj", "lm_head"])
+    folder = Path(bake_json(str(project.plan_path))["folder"])
+    assert "lm_head carries a LoRA adapter" in (folder / "log.txt").read_text()
+    with safe_open(folder / FINAL / "adapter_model.safetensors", "pt") as f:
+        names = [k for k in f.keys() if "lm_head" in k and "lora_B" in k]
+        assert names and all(f.get_tensor(k).abs().max() > 0 for k in names)  # lora_B starts at zero
