@@ -53,8 +53,8 @@ class Remembered:
     def __setattr__(self, name, value):
         raise AttributeError("a remembered plan is read-only")
 
-    def model_dump(self, mode: str = "json") -> dict:
-        return copy.deepcopy(self._data)
+    def model_dump(self, mode: str = "json", exclude: set[str] | None = None) -> dict:
+        return copy.deepcopy({k: v for k, v in self._data.items() if k not in (exclude or ())})
 
     @property
     def data_files(self) -> list[str]:
