@@ -45,6 +45,17 @@ def cli_started(*args: str, env: dict | None = None) -> subprocess.Popen:
     )
 
 
+def configured(plan: Path, runs: Path | None = None) -> Path:
+    """The run folder after the config step (resolve, base, split, config), run in this
+    process: for a test about what those steps write, without the training after them."""
+    from overbrainer.graph.driver import compile_bake, run_bake
+
+    bake = compile_bake(plan, runs)
+    done = run_bake(bake, "train:config")
+    assert done.code == 0, done.error
+    return bake.folder.root
+
+
 def bake_json(*args: str, check: int | None = 0, env: dict | None = None) -> dict:
     proc = cli("bake", *args, "--json", check=check, env=env)
     return json.loads(proc.stdout.strip().splitlines()[-1])

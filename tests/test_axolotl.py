@@ -1,8 +1,8 @@
 """The Axolotl trainer, for real: Axolotl 0.19.0 in its own environment, on the tiny model.
 
-The environment (``overbrainer/tools.py``) is built once per checkout by the real builder,
-at ``.venv/overbrainer-tools/axolotl-0.19.0`` (or ``$OVERBRAINER_AXOLOTL_VENV``): about 5
-minutes and 4.3 GB the first time, which is why the tests that use it are marked slow
+The environment (``overbrainer/trainers/axolotl_env.py``) is built once per checkout by the real builder,
+at ``.venv/overbrainer-tools/axolotl-0.19.0`` (or ``$OVERBRAINER_AXOLOTL_VENV``): a minute
+or two (uv) and 3.7 GB the first time, which is why the tests that use it are marked slow
 (CI runs them: pytest runs without -m). They skip, saying why, only when no package
 index can be reached to build it.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import bake_json, cli
+from helpers import bake_json, cli, configured
 
 from overbrainer.portable import axolotl_plugin, script
 from overbrainer.trainers import axolotl_env as tools
@@ -53,7 +53,7 @@ def test_config_yaml_trains_on_the_train_split_and_evaluates_on_validation(proje
     import pyarrow.parquet as pq
 
     project.write(device="cpu", deterministic=True)
-    run_dir = configured(project)
+    run_dir = configured(project.plan_path)
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     dataset = {"ds_type": "parquet", "type": "chat_template", "field_messages": "messages",
                "roles_to_train": ["assistant"], "train_on_eos": "turn"}
@@ -72,7 +72,7 @@ def test_config_yaml_trains_on_the_train_split_and_evaluates_on_validation(proje
 def test_no_validation_rows_means_no_evaluation_in_config_yaml(project):
     project.plan["split"]["validation"] = 0
     project.write()
-    run_dir = configured(project)
+    run_dir = configured(project.plan_path)
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     # Axolotl refuses eval_steps or an eval_strategy without an eval set
     assert "test_datasets" not in cfg and "eval_steps" not in cfg and "eval_strategy" not in cfg
@@ -152,6 +152,20 @@ def test_several_processes_need_as_many_gpus(tmp_path, monkeypatch):
         Axolotl(processes=2).prepare(tmp_path, str(tmp_path))
 
 
+def test_the_environment_is_installed_by_uv_with_pips_index_settings(monkeypatch):
+    """uv (a dependency) installs Axolotl; pip's index settings from the environment go
+    along as uv's flags, since uv reads only its own."""
+    assert tools._uv() and Path(tools._uv()).is_file()
+    monkeypatch.setenv("PIP_INDEX_URL", "https://mirror.example/simple")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "https://a.example/simple https://b.example/simple")
+    monkeypatch.setenv("PIP_FIND_LINKS", "/opt/wheels")
+    assert tools._pip_indexes_for_uv() == [
+        "--index-url", "https://mirror.example/simple",
+        "--extra-index-url", "https://a.example/simple", "--extra-index-url", "https://b.example/simple",
+        "--find-links", "/opt/wheels",
+    ]
+
+
 def test_no_examples_is_its_own_error(tmp_path):
     from overbrainer.trainers import NoTrainingData
 
@@ -202,16 +216,6 @@ def axolotl_project(project, axolotl_venv, monkeypatch):
     return project
 
 
-def configured(project) -> Path:
-    """The run folder after the config step (resolve, base, split, config), in this process."""
-    from overbrainer.graph.driver import compile_bake, run_bake
-
-    bake = compile_bake(project.plan_path)
-    done = run_bake(bake, "train:config")
-    assert done.code == 0, done.error
-    return bake.folder.root
-
-
 def check(python: Path, config: Path, run_dir: Path) -> subprocess.CompletedProcess:
     """Axolotl's own validation of `config`, in its environment, as the job would see it."""
     return subprocess.run(
@@ -229,7 +233,7 @@ def test_config_yaml_passes_axolotl_validation_as_it_is(axolotl_project, axolotl
     for validation in (0, 0.2):  # the last, the plan's own, stays for what follows
         axolotl_project.plan["split"]["validation"] = validation
         axolotl_project.write(trainer="axolotl")
-        run_dir = configured(axolotl_project)
+        run_dir = configured(axolotl_project.plan_path)
         done = check(axolotl_venv / "bin" / "python", run_dir / "config.yaml", run_dir)
         assert done.returncode == 0, done.stdout + done.stderr[-3000:]
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -237,7 +241,7 @@ def test_config_yaml_passes_axolotl_validation_as_it_is(axolotl_project, axolotl
         assert ("test_datasets" in cfg) == (validation > 0)
     # Axolotl's own dataset loading reads the two files: the train rows only, and the
     # validation rows as its eval set (Axolotl's load_datasets, in its environment)
-    run_dir = configured(axolotl_project)
+    run_dir = configured(axolotl_project.plan_path)
     Axolotl().prepare(run_dir, str(run_dir))
     rows = subprocess.run(
         [str(axolotl_venv / "bin" / "python"), "-c", LOAD_DATASETS, "config.yaml"],
@@ -266,7 +270,7 @@ print(json.dumps({"train": len(meta.train_dataset), "eval": len(meta.eval_datase
 @pytest.mark.slow  # an import of Axolotl, in its environment
 @pytest.mark.axolotl
 def test_config_typo_is_refused_in_one_line(axolotl_project, axolotl_venv):
-    run_dir = configured(axolotl_project)
+    run_dir = configured(axolotl_project.plan_path)
     config = run_dir / "config.yaml"
     config.write_text(config.read_text() + "lora_rr: 8\n")
     with pytest.raises(AxolotlConfigError) as refused:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import bake_json, cli
+from helpers import bake_json, cli, configured
 
 from overbrainer.errors import OverbrainerError
 from overbrainer.inputs.sizing import GiB, estimate, fit, model_shape
@@ -69,14 +69,14 @@ def test_reasoning_the_template_drops_is_warned(project, tmp_path):
         row["messages"][-1]["content"] = "<think>the user asks; answer briefly</think>" + row["messages"][-1]["content"]
     rows[6]["messages"][-1]["reasoning_content"] = "thinking"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    kept = bake_json(str(project.plan_path), "--runs", str(tmp_path / "kept"))
-    warnings = json.loads((Path(kept["folder"]) / ".stamps/config.json").read_text())["summary"]["warnings"]
+    kept = configured(project.plan_path, tmp_path / "kept")  # the config step warns; no training needed
+    warnings = json.loads((kept / ".stamps/config.json").read_text())["summary"]["warnings"]
     assert len(warnings) == 1 and "reasoning fields" in warnings[0]  # the tiny template keeps <think>
 
     shutil.copytree(project.root / "tiny", project.root / "dropping")
     (project.root / "dropping" / "chat_template.jinja").write_text(dropping)
     project.plan["base"] = "./dropping"
     project.write()
-    dropped = bake_json(str(project.plan_path), "--runs", str(tmp_path / "dropped"))
-    warnings = json.loads((Path(dropped["folder"]) / ".stamps/config.json").read_text())["summary"]["warnings"]
+    dropped = configured(project.plan_path, tmp_path / "dropped")
+    warnings = json.loads((dropped / ".stamps/config.json").read_text())["summary"]["warnings"]
     assert any("5 assistant turns have <think> blocks" in w and "drops them" in w for w in warnings), warnings

@@ -359,7 +359,7 @@ def test_a_weight_change_reruns_the_split_and_why_shows_it(tmp_path, tiny_model)
     path.write_text(json.dumps(plan))
     why = json.loads(cli("why", str(path), "split", "--json").stdout)["steps"][0]
     assert "data[b.csv].weight: 1.0 → 2.0" in why["why"]
-    printed = cli("bake", str(path), "--foreground", check=None)  # trains too: only the split's lines matter
+    printed = cli("split", str(path))  # what a bake prints of the split, without training
     lines = [line for line in printed.stdout.splitlines() if line.startswith("split: b.csv")]
     assert lines and lines[0].startswith("split: b.csv: alpaca; ") and "(67%)" in lines[0]
 
