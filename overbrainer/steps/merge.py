@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -70,6 +71,8 @@ def merge_into(base_folder: Path, checkpoint: Path, dest: Path, special_tokens: 
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
+    # peft asks transformers for a property it has renamed: a FutureWarning per model, not the user's to act on
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     tmp = dest.with_name(f".tmp-{dest.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     if lora:

@@ -8,6 +8,7 @@ the loop normalizes.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -25,6 +26,8 @@ def load_model(cfg: dict, device: torch.device, bf16: bool, sharded: bool = Fals
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
+    # peft asks transformers for a property it has renamed: a FutureWarning per model, not the user's to act on
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     base = cfg["base_model"]
     tokenizer = AutoTokenizer.from_pretrained(base)
     for key, value in tokenizer_settings(cfg).items():
