@@ -1,7 +1,9 @@
 """where: {"slurm": ...} against a real Slurm: Debian's slurm-wlm (slurmctld + slurmd) and
 munge, started here for one node "localhost" with this machine's CPUs, their state in a
 temp folder and their ports free ports of 127.0.0.1 (as root, as CI runs; .ci/run
-installs the packages). The tests skip only when the daemons cannot start, saying why.
+installs the packages). `two_nodes` starts a second Slurm of two nodes, node1 and node2,
+each slurmd in its own network namespace on a bridge of this machine, for a run across
+nodes. The tests skip only when the daemons (or those namespaces) cannot start, saying why.
 
 The run folder is on the filesystem the "cluster" shares (this machine's): a bake through
 Slurm ends with the same adapter weights and losses, bit for bit, as one here."""
@@ -10,12 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -39,72 +43,173 @@ def _pid(path: Path) -> int | None:
         return None
 
 
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    """A one-node Slurm of this machine; yields its slurm.conf (tests set $SLURM_CONF)."""
+def _can_start() -> None:
     missing = [d for d in DAEMONS if not (shutil.which(d) or Path(f"/usr/sbin/{d}").exists())]
     if missing:
         pytest.skip(f"Slurm cannot start: {', '.join(missing)} not installed (Debian: apt-get install slurm-wlm munge; "
                     ".ci/run installs them)")
     if os.geteuid() != 0:
         pytest.skip("Slurm cannot start: the test starts slurmctld, slurmd and munged as root, as CI does")
-    d = tmp_path_factory.mktemp("slurm")
+
+
+def _slurm_conf(d: Path, controller: str, nodes: list[str]) -> Path:
+    """slurm.conf of a test cluster in folder `d` (state, spool and logs in it, its own
+    munge socket, free ports): `controller` is SlurmctldHost, `nodes` its NodeName lines,
+    all in partition debug. %n in the slurmd paths is the node's name (several slurmd on
+    this machine)."""
     d.chmod(0o755)  # munge wants its socket's folder reachable
     for sub in ("state", "spool", "log"):
         (d / sub).mkdir()
     key = d / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
+    names = ",".join(line.split()[0].split("=", 1)[1] for line in nodes)
     conf = d / "slurm.conf"
     conf.write_text("\n".join([
-        "ClusterName=overbrainer-test", "SlurmctldHost=localhost",
+        "ClusterName=overbrainer-test", f"SlurmctldHost={controller}",
         f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
         # cred_expire: how long a requeued job waits before it starts again (120 s by default)
         "AuthType=auth/munge", f"AuthInfo=socket={d}/munge.sock,cred_expire=30", "CredType=cred/munge",
         "SlurmUser=root", "SlurmdUser=root",
-        f"StateSaveLocation={d}/state", f"SlurmdSpoolDir={d}/spool",
-        f"SlurmctldPidFile={d}/slurmctld.pid", f"SlurmdPidFile={d}/slurmd.pid",
-        f"SlurmctldLogFile={d}/log/slurmctld.log", f"SlurmdLogFile={d}/log/slurmd.log",
+        f"StateSaveLocation={d}/state", f"SlurmdSpoolDir={d}/spool/%n",
+        f"SlurmctldPidFile={d}/slurmctld.pid", f"SlurmdPidFile={d}/slurmd-%n.pid",
+        f"SlurmctldLogFile={d}/log/slurmctld.log", f"SlurmdLogFile={d}/log/slurmd-%n.log",
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "SchedulerType=sched/backfill",
         "SchedulerParameters=sched_interval=1", "AccountingStorageType=accounting_storage/none",
         "JobAcctGatherType=jobacct_gather/none", "JobCompType=jobcomp/none", "MpiDefault=none",
         "ReturnToService=2", "KillWait=30", "MinJobAge=600", "InactiveLimit=0",
-        f"NodeName=localhost CPUs={os.cpu_count()} State=UNKNOWN",
-        "PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP", "",
+        *nodes, f"PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP", "",
     ]))
+    return conf
+
+
+@contextmanager
+def _daemons(conf: Path, slurmd: list[list[str]], nodes: int):
+    """munged and slurmctld of `conf`'s folder, then each `slurmd` command line; yields
+    once sinfo shows `nodes` nodes up, and ends them all with SIGTERM (slurmd first).
+    Skips, saying which daemon and why, when one cannot start."""
+    d = conf.parent
     env = {**os.environ, "SLURM_CONF": str(conf)}
-    pids = {"munged": d / "munged.pid", "slurmctld": d / "slurmctld.pid", "slurmd": d / "slurmd.pid"}
     started = [
-        ["munged", "-f", f"--key-file={key}", f"--socket={d}/munge.sock", f"--pid-file={pids['munged']}",
+        ["munged", "-f", f"--key-file={d}/munge.key", f"--socket={d}/munge.sock", f"--pid-file={d}/munged.pid",
          f"--log-file={d}/log/munged.log", f"--seed-file={d}/munged.seed"],
         ["slurmctld", "-i"],
-        ["slurmd", "-N", "localhost"],
+        *slurmd,
     ]
     try:
         for argv in started:
             out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
             if out.returncode != 0:
-                pytest.skip(f"Slurm cannot start: {argv[0]} exited {out.returncode}: {out.stderr.strip()[-300:]}")
+                pytest.skip(f"Slurm cannot start: {' '.join(argv[:6])} exited {out.returncode}: "
+                            f"{out.stderr.strip()[-300:] or f'see its log in {d}/log'}")
         deadline = time.monotonic() + 60
         while True:
-            out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True)
-            if out.returncode == 0 and out.stdout.strip() in ("idle", "mixed", "allocated"):
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True)
+            states = out.stdout.split()
+            if out.returncode == 0 and len(states) == nodes and set(states) <= {"idle", "mixed", "allocated"}:
                 break
             if time.monotonic() > deadline:
                 log = (d / "log" / "slurmctld.log").read_text()[-500:] if (d / "log" / "slurmctld.log").exists() else ""
-                pytest.skip(f"Slurm cannot start: its node is not up after 60 s ({out.stdout.strip()} "
+                pytest.skip(f"Slurm cannot start: its nodes are not up after 60 s ({out.stdout.strip()} "
                             f"{out.stderr.strip()}) {log}")
             time.sleep(0.2)
         yield conf
     finally:
-        for name in ("slurmd", "slurmctld", "munged"):
-            pid = _pid(pids[name])
+        pids = [*d.glob("slurmd*.pid"), d / "slurmctld.pid", d / "munged.pid"]
+        for path in pids:
+            pid = _pid(path)
             if pid:
                 try:
                     os.kill(pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A one-node Slurm of this machine; yields its slurm.conf (tests set $SLURM_CONF)."""
+    _can_start()
+    conf = _slurm_conf(tmp_path_factory.mktemp("slurm"), "localhost",
+                       [f"NodeName=localhost CPUs={os.cpu_count()} State=UNKNOWN"])
+    (conf.parent / "spool" / "localhost").mkdir()
+    with _daemons(conf, [["slurmd", "-N", "localhost"]], 1):
+        yield conf
+
+
+# -- two nodes, each in its own network namespace ---------------------------------------------
+
+NODES = {"node1": "10.77.0.11", "node2": "10.77.0.12"}
+CONTROLLER = "10.77.0.1"  # this machine's side of the bridge the nodes hang on
+
+
+def _ip(*args: str) -> None:
+    out = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        raise OSError(f"ip {' '.join(args)}: {out.stderr.strip() or f'exit {out.returncode}'}")
+
+
+@contextmanager
+def _network(tag: str):
+    """A bridge on this machine (CONTROLLER/24) and, for each of NODES, a network namespace
+    on it through a veth pair, with the node's address and its own loopback. Yields {node:
+    namespace}; takes it all away."""
+    if shutil.which("ip") is None:
+        pytest.skip("two Slurm nodes cannot start: no `ip` (iproute2) to make their network namespaces")
+    bridge, spaces, links = f"{tag}br", {}, []
+    try:
+        try:
+            _ip("link", "add", bridge, "type", "bridge")
+            links.append(bridge)
+            _ip("addr", "add", f"{CONTROLLER}/24", "dev", bridge)
+            _ip("link", "set", bridge, "up")
+            for i, (name, addr) in enumerate(NODES.items(), 1):
+                ns, here, there = f"{tag}n{i}", f"{tag}v{i}", f"{tag}p{i}"
+                _ip("netns", "add", ns)
+                spaces[name] = ns
+                _ip("link", "add", here, "type", "veth", "peer", "name", there)
+                links.append(here)
+                _ip("link", "set", there, "netns", ns)
+                _ip("link", "set", here, "master", bridge)
+                _ip("link", "set", here, "up")
+                _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", there)
+                _ip("-n", ns, "link", "set", there, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+        except OSError as e:
+            pytest.skip(f"two Slurm nodes cannot start: their network namespaces cannot be made ({e})")
+        yield spaces
+    finally:
+        for link in reversed(links):  # a veth goes with its peer in the namespace
+            subprocess.run(["ip", "link", "del", link], capture_output=True, check=False)
+        for ns in spaces.values():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """A two-node Slurm on this machine: slurmctld here, and slurmd node1 and node2 each in
+    its own network namespace (its own address, NODES), UTS namespace (its hostname is its
+    node name) and mount namespace, where a hosts file that names every node is bound over
+    /etc/hosts (torchrun's rendezvous and gloo find the nodes by name, as on a cluster; this
+    machine's /etc/hosts is not touched). The filesystem is otherwise the same for all.
+    Yields its slurm.conf."""
+    _can_start()
+    with _network(f"ob{os.getpid()}") as spaces:
+        nodes = [f"NodeName={name} NodeAddr={addr} CPUs=1 State=UNKNOWN" for name, addr in NODES.items()]
+        conf = _slurm_conf(tmp_path_factory.mktemp("slurm2"), f"localhost({CONTROLLER})", nodes)
+        hosts = conf.parent / "hosts"
+        hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{addr} {name}\n" for name, addr in NODES.items()))
+        slurmd = []
+        for name, ns in spaces.items():
+            (conf.parent / "spool" / name).mkdir()
+            node = f"mount --bind {shlex.quote(str(hosts))} /etc/hosts && hostname {name} && exec slurmd -N {name}"
+            slurmd.append(["nsenter", f"--net=/run/netns/{ns}", "unshare", "--mount", "--uts", "sh", "-c", node])
+        with _daemons(conf, slurmd, len(NODES)):
+            try:
+                yield conf
+            finally:  # a job a failed test left behind would outlive its slurmd in the namespaces
+                subprocess.run(["scancel", "--full", "--name=overbrainer-tiny"], capture_output=True, timeout=30,
+                               env={**os.environ, "SLURM_CONF": str(conf)}, check=False)
 
 
 @pytest.fixture
@@ -475,3 +580,46 @@ def test_merge_and_bake_sent_to_the_cluster_end_as_here_and_a_cancelled_merge_re
     for weights in ("merged/model.safetensors", "baked/model.safetensors"):
         assert (folder / weights).read_bytes() == (reference / weights).read_bytes(), weights
     assert bake(plan_path)["ran"] == []
+
+
+def test_two_nodes_train_as_two_processes_here(project, two_nodes, monkeypatch, tmp_path, tmp_path_factory):
+    """nodes: 2 on two real slurmd, each in its own network namespace: srun starts torchrun
+    on both, they meet at the first node's rendezvous, and the two ranks train over gloo
+    between the namespaces. The same losses and adapter weights, bit for bit, as a world of
+    two here (train.processes 2 under torchrun --standalone): the ranks take the same
+    micro-batches and dropout streams, and a sum of two gradients is the same sum in either
+    order. Each rank says where it ran through a sitecustomize on its PYTHONPATH (the job
+    keeps the environment it was submitted with)."""
+    steps = 4
+    final = f"checkpoints/step-{steps:06d}"
+    here = bake(project.write(steps=steps, processes=2, save_every=steps),
+                "--runs", str(tmp_path_factory.mktemp("here2")))
+    assert here["state"] == "done", here
+    reference = Path(here["folder"])
+
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    (trace / "sitecustomize.py").write_text(
+        "import os, socket\n"
+        "if 'RANK' in os.environ and 'TORCHELASTIC_RUN_ID' in os.environ:  # a worker torchrun started\n"
+        "    with open(os.path.join(os.path.dirname(__file__), 'rank-' + os.environ['RANK']), 'w') as f:\n"
+        "        f.write(socket.gethostname() + ' of ' + os.environ['WORLD_SIZE'])\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(trace), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("SLURM_CONF", str(two_nodes))
+    monkeypatch.setenv("OVERBRAINER_SLURM_POLL", "0.3")
+    project.write(processes=1)  # one a node
+    report = bake(on_slurm(project, nodes=2))
+    assert report["state"] == "done", report
+    folder = Path(report["folder"])
+    job = run_json(folder)["slurm_job"]
+    shown = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True).stdout
+    assert " NodeList=node[1-2] " in shown and " NumNodes=2 " in shown, shown
+    assert "--rdzv-endpoint=node1:29500" in (log := (folder / "log.txt").read_text())
+    assert "shared by 2 processes" in log
+    ranks = {p.name: p.read_text() for p in trace.glob("rank-*")}
+    assert sorted(ranks) == ["rank-0", "rank-1"] and sorted(ranks.values()) == ["node1 of 2", "node2 of 2"], ranks
+    assert json.loads((folder / final / "meta.json").read_text())["world_size"] == 2
+    assert json.loads((folder / "slurm" / f"end-{job}.json").read_text())["exit"] == 0
+    assert len(losses(folder)) == steps and losses(folder) == losses(reference)
+    assert (folder / final / "adapter_model.safetensors").read_bytes() == \
+        (reference / final / "adapter_model.safetensors").read_bytes()
