@@ -70,10 +70,10 @@ class Model:
         """(model, tokenizer), in float32, on a CUDA GPU when torch sees one, else the CPU."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        from transformers.utils import logging
 
-        logging.set_verbosity_error()
-        logging.disable_progress_bar()
+        from .trainers.builtin.model import quiet_transformers
+
+        quiet_transformers()
         if not hasattr(self, "_loaded"):
             if self.base is not None:
                 from peft import PeftModel

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,12 +66,10 @@ def merge_into(base_folder: Path, checkpoint: Path, dest: Path, special_tokens: 
     the training's `device` (train.device; "auto": a CUDA GPU when there is one)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from transformers.utils import logging
 
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-    # peft asks transformers for a property it has renamed: a FutureWarning per model, not the user's to act on
-    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    from ..trainers.builtin.model import quiet_transformers
+
+    quiet_transformers()
     tmp = dest.with_name(f".tmp-{dest.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     if lora:

@@ -17,17 +17,24 @@ import torch.nn.functional as F
 from ..examples import IGNORE, tokenizer_settings
 
 
+def quiet_transformers() -> None:
+    """transformers without its info lines and progress bars, and without the FutureWarning
+    peft's use of a renamed property (`is_gradient_checkpointing`) gives for every model it
+    wraps: nothing there for the user to act on."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+
+
 def load_model(cfg: dict, device: torch.device, bf16: bool, sharded: bool = False):
     """(model, tokenizer): the model on `device`, its trained parameters in float32.
     `sharded` (FSDP2's to place): every weight in float32, as FSDP2 wants a layer's
     weights in one dtype; its mixed-precision policy gathers them in bf16."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging
 
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-    # peft asks transformers for a property it has renamed: a FutureWarning per model, not the user's to act on
-    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    quiet_transformers()
     base = cfg["base_model"]
     tokenizer = AutoTokenizer.from_pretrained(base)
     for key, value in tokenizer_settings(cfg).items():
