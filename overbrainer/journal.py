@@ -9,7 +9,8 @@ stand on::
       "slurm_jobs": {"train": "1234", "merge": "1235"},  # the last job of each step sent there
       "where": "here",
       "plan_file": "/abs/plans/demo.json",
-      "process": {"pid": 4242, "create_time": 1733150000.12, "host": "box"},
+      "process": {"pid": 4242, "create_time": 1733150000.12, "host": "box",
+                  "boot": "5c1e...", "ticks": 2574683},  # Linux: since boot, in clock ticks
       "step": 18, "steps": 54,
       "task": "train",             # the step under way
       "stages": [["config", "train.learning_rate: 0.003 → 0.001"], ["train", "..."]],  # each step
@@ -20,8 +21,12 @@ stand on::
     }
 
 A process that ended without saying so (killed, crashed, the machine rebooted) is shown as
-``failed`` with the reason `DIED`, never as running: the pid is checked together with its
-create time, so a reused pid is not mistaken for the run.
+``failed`` with the reason `DIED`, never as running: the pid is checked together with when
+it started, so a reused pid is not mistaken for the run. On Linux that is the kernel's
+start time in clock ticks since boot (and the boot's id), which a change of the wall clock
+does not move: NTP stepping the clock, or a virtual machine resumed from a snapshot, moves
+every process's ``create_time`` at once, and a bake must not then call its own live run
+dead. Elsewhere it is ``create_time``, to the second.
 """
 
 from __future__ import annotations
@@ -154,7 +159,28 @@ def this_process() -> dict:
     import psutil
 
     me = psutil.Process()
-    return {"pid": me.pid, "create_time": me.create_time(), "host": socket.gethostname()}
+    record = {"pid": me.pid, "create_time": me.create_time(), "host": socket.gethostname()}
+    boot, ticks = _boot_id(), _start_ticks(me.pid)
+    if boot and ticks is not None:
+        record.update(boot=boot, ticks=ticks)
+    return record
+
+
+def _boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (Linux; None elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def alive(process: dict | None) -> bool:
@@ -167,6 +193,10 @@ def alive(process: dict | None) -> bool:
         return True  # another machine's process: this one cannot tell
     try:
         p = psutil.Process(process["pid"])
-        return abs(p.create_time() - process["create_time"]) < 1.0 and p.status() != psutil.STATUS_ZOMBIE
+        if isinstance(process.get("ticks"), int) and process.get("boot"):
+            same = process["boot"] == _boot_id() and _start_ticks(p.pid) == process["ticks"]
+        else:  # not Linux, or written by an older overbrainer: the wall clock's create time
+            same = abs(p.create_time() - process["create_time"]) < 1.0
+        return same and p.status() != psutil.STATUS_ZOMBIE
     except (psutil.Error, KeyError, TypeError):
         return False

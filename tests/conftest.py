@@ -3,6 +3,7 @@ are built once per session, never downloaded."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -97,7 +98,9 @@ class References:
         if key not in self.made:
             from helpers import bake_json
 
-            project = make_project(self.root / f"ref{len(self.made)}", self.tiny_model)
+            root = self.root / f"ref-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+            shutil.rmtree(root, ignore_errors=True)  # a bake of it that failed in an earlier test
+            project = make_project(root, self.tiny_model)
             project.write(**train)
             bake_json(str(project.plan_path), "--runs", str(project.root / "runs"))
             self.made[key] = project

@@ -94,6 +94,28 @@ def test_stop_and_resume_twice_is_bitwise_equal(long_project, tmp_path, referenc
     assert [a["reason"].split(" ")[0] for a in run.status["attempts"]] == ["stopped", "stopped", "done"]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="start times since boot are read from /proc")
+def test_a_step_of_the_wall_clock_leaves_a_live_run_running(tmp_path):
+    """NTP stepping the clock, or a virtual machine resumed from a snapshot, moves every
+    process's wall-clock create time at once: a live run must not then look dead."""
+    from overbrainer import journal
+
+    me = journal.this_process()  # this test's process stands for the run's
+    assert journal.alive(me) and isinstance(me["ticks"], int) and me["boot"]
+    written_before_the_step = {**me, "create_time": me["create_time"] - 30}
+    assert journal.alive(written_before_the_step)
+    assert not journal.alive({**me, "ticks": me["ticks"] + 1})  # the same pid, reused by another process
+    assert not journal.alive({**me, "boot": "another boot"})
+    # run.json written so, as `overbrainer status` reads it from another process
+    folder = tmp_path / "runs" / "tiny"
+    Run(folder).update(state="running", process=written_before_the_step)
+    status = json.loads(cli("status", str(folder), "--json").stdout)
+    assert status["state"] == "running", status
+    Run(folder).update(process={**written_before_the_step, "ticks": me["ticks"] + 1})
+    status = json.loads(cli("status", str(folder), "--json").stdout)
+    assert status["state"] == "failed" and status["reason"] == "process ended without saying so"
+
+
 def test_killed_run_shows_failed_then_resumes(long_project, tmp_path, reference):
     runs = tmp_path / "killed"
     cli("bake", str(long_project.plan_path), "--detach", "--runs", str(runs))

@@ -20,23 +20,34 @@ from ..portable.common import now
 from ..remembered import remember
 from ..steps.context import Bake
 from .compile import compile_bake
+from .doitdb import BACKEND, BACKEND_PLUGIN, set_aside_damaged_db
 from .tasks import Outcome
 
 __all__ = ["Outcome", "run_bake", "exit_code", "dry_run", "would_run", "doit_config", "memory_estimate", "outcome", "AlreadyRunning",
            "compile_bake", "set_aside_damaged_db", "claim_done", "check_owner", "owner_fields"]
 
 
-def doit_config(bake: Bake, done: Outcome, tell_errors: bool = False, record: bool = False) -> dict:
+def doit_config(bake: Bake, done: Outcome, tell_errors: bool = False, record: bool = False,
+                backend: str | None = None) -> dict:
     """doit's settings for a bake: its database in the run folder, and a reporter that
     speaks in steps (`tell_errors`: it prints the error too, and `record`: it keeps
     run.json, as under ``doit`` alone)."""
     return {
         "dep_file": str(bake.folder.doit_db),
-        "backend": "sqlite3",
+        "backend": backend or doit_backend(),
         "default_tasks": ["train"],
         "reporter": _reporter(bake, done, tell_errors, record),
         "verbosity": 2,
     }
+
+
+def doit_backend() -> str:
+    """The database backend for the ``doit`` command: overbrainer's (`doitdb.KeptSqlite`)
+    where an installed overbrainer registers it (entry point ``doit.BACKEND``), doit's own
+    sqlite3 where not (a checkout on PYTHONPATH). A bake registers it itself."""
+    from importlib.metadata import entry_points
+
+    return BACKEND if entry_points(group="doit.BACKEND", name=BACKEND) else "sqlite3"
 
 
 def run_bake(bake: Bake, task: str | list[str] = "train", done: Outcome | None = None) -> Outcome:
@@ -66,7 +77,9 @@ def run_bake(bake: Bake, task: str | list[str] = "train", done: Outcome | None =
         folder.stop_request.unlink(missing_ok=True)  # a stop asked of an earlier bake
         bake.checked.clear()
         set_aside_damaged_db(folder)
-        doit = DoitMain(ModuleTaskLoader({"task_train": lambda: doit_tasks(bake, done), "DOIT_CONFIG": doit_config(bake, done)}))
+        config = doit_config(bake, done, backend=BACKEND)
+        doit = DoitMain(ModuleTaskLoader({"task_train": lambda: doit_tasks(bake, done), "DOIT_CONFIG": config}),
+                        extra_config=BACKEND_PLUGIN)
         argv = ["run", *([task] if isinstance(task, str) else task)]
         if task != "train":
             done.code = doit.run(argv)
@@ -130,29 +143,6 @@ def check_owner(bake: Bake) -> None:
         f"{bake.shown(folder.root)} belongs to {bake.shown(Path(owner))}, a different plan file with the same name "
         f"({folder.name!r}) as {bake.shown(bake.plan_path)}; give one of them another \"name\", or bake with "
         f"--force (from Python: force=True) to take the folder over")
-
-
-def set_aside_damaged_db(folder: RunFolder) -> None:
-    """doit's database (``.doit.db``) that sqlite cannot read is moved aside, with one
-    warning line on stderr, and doit starts a new one: the stamps, not doit's records, say
-    what is done (`_UpToDate`), so nothing is lost but a few stats."""
-    import sqlite3
-    import sys
-
-    db = folder.doit_db
-    if not db.is_file():
-        return
-    try:
-        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
-            con.execute("SELECT count(*) FROM sqlite_master").fetchone()
-        con.close()
-        return
-    except sqlite3.Error as e:
-        problem = str(e)
-    aside = db.with_name(db.name + ".damaged")
-    os.replace(db, aside)
-    print(f"warning: {db} is damaged ({problem}); set aside as {aside.name} and rebuilt from the stamps",
-          file=sys.stderr, flush=True)
 
 
 def claim_done(bake: Bake, done: Outcome) -> None:
