@@ -71,7 +71,7 @@ class Model:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from .trainers.builtin.model import quiet_transformers
+        from .inputs.base_cache import quiet_transformers
 
         quiet_transformers()
         if not hasattr(self, "_loaded"):

@@ -24,7 +24,7 @@ from ..hashing import HashCache, hash_bytes
 from ..portable.common import now
 from .base_model import ALIASES, BaseSpec, WheelGGUF, check_folder, gguf_hash
 
-__all__ = ["materialize", "SOURCE_FILE"]
+__all__ = ["materialize", "SOURCE_FILE", "quiet_transformers"]
 
 SOURCE_FILE = "overbrainer-source.json"
 HUB_TIMEOUT_S = 10.0  # seconds to wait for the hub before calling it unreachable
@@ -92,6 +92,21 @@ def _into_cache(
 
     return build_once(target, SOURCE_FILE, make,
                       waiting=lambda: log(f"base '{spec.source}': waiting for another process importing it into {target}"))
+
+
+def quiet_transformers() -> None:
+    """transformers without its info lines and progress bars, and without the FutureWarning
+    peft's use of a renamed property (`is_gradient_checkpointing`) gives for every model it
+    wraps: nothing there for the user to act on. For the rest of the process (a trainer, a
+    merge, a chat), where `_quiet_transformers` below is for one import and restores."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    import warnings
+
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+
 
 
 # --- GGUF ---------------------------------------------------------------------------------

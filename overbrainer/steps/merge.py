@@ -67,7 +67,7 @@ def merge_into(base_folder: Path, checkpoint: Path, dest: Path, special_tokens: 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from ..trainers.builtin.model import quiet_transformers
+    from ..inputs.base_cache import quiet_transformers
 
     quiet_transformers()
     tmp = dest.with_name(f".tmp-{dest.name}")

@@ -8,24 +8,13 @@ the loop normalizes.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from ...inputs.base_cache import quiet_transformers
 from ..examples import IGNORE, tokenizer_settings
-
-
-def quiet_transformers() -> None:
-    """transformers without its info lines and progress bars, and without the FutureWarning
-    peft's use of a renamed property (`is_gradient_checkpointing`) gives for every model it
-    wraps: nothing there for the user to act on."""
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 
 def load_model(cfg: dict, device: torch.device, bf16: bool, sharded: bool = False):
