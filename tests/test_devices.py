@@ -113,6 +113,34 @@ def test_how_it_computes_is_not_what_it_trains(baked_copy):
     assert "gradient_checkpointing: true" in config and "liger: false" in config
 
 
+# what a plan with every train setting at its default trains on: the keys config.yaml gives the
+# train step's fingerprint (steps/train.py leaves out how it computes and what it watches)
+DEFAULT_RUN_KEYS = [
+    "adapter", "auto_resume_from_checkpoints", "base_model", "bf16", "chat_template", "datasets", "eval_steps",
+    "eval_strategy", "excess_length_strategy", "flash_attention", "fp16", "gradient_accumulation_steps",
+    "group_by_length", "learning_rate", "logging_steps", "lora_alpha", "lora_dropout", "lora_r",
+    "lora_target_modules", "lr_scheduler", "lr_scheduler_kwargs", "max_grad_norm", "max_steps", "micro_batch_size",
+    "optimizer", "output_dir", "sample_packing", "save_safetensors", "save_steps", "save_strategy", "sdp_attention",
+    "seed", "sequence_len", "special_tokens", "test_datasets", "tf32", "train_on_inputs", "trust_remote_code",
+    "val_set_size", "warmup_steps", "weight_decay",
+]
+
+
+def test_a_new_setting_at_its_default_retrains_nothing():
+    """Upgrading overbrainer must not retrain finished runs: a config.yaml key added later
+    is left out (None in `build_config`) at the value that does what was done before it
+    existed, so a default plan's fingerprint keeps the same keys. If this fails, give the new
+    key that neutral value as None; or, when every run is meant to train again, extend the
+    list and say so in the CHANGELOG."""
+    from overbrainer.steps.config import build_config
+    from overbrainer.steps.train import HOW_IT_COMPUTES, WATCHING
+
+    steps = {"max_steps": 8, "warmup": 1, "stable": 5, "decay": 2}
+    for trainer in ("builtin", "axolotl"):
+        cfg = build_config(TrainSettings(trainer=trainer), "../base", steps, {})
+        assert sorted(k for k in cfg if k not in HOW_IT_COMPUTES + WATCHING) == DEFAULT_RUN_KEYS, trainer
+
+
 def test_liger_auto_is_on_only_where_it_was_measured(references):
     """train.liger "auto" (the default; config.yaml names no Liger key) is the built-in
     trainer's to resolve: off on a CPU (the run trains and its sidecar says so), and on a
