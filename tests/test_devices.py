@@ -54,10 +54,43 @@ def test_gradient_checkpointing_gives_the_same_losses(references):
         assert (b.get("eval_loss") is None) == (a.get("eval_loss") is None)
 
 
-@pytest.mark.parametrize("train, says", [
-    pytest.param({"device": "cuda"}, 'train.device: "cuda", but torch sees no CUDA GPU here', id="cuda"),
-    pytest.param({"liger": True}, "train.liger: Liger Kernel runs on a CUDA GPU only", id="liger"),
-])
+def test_the_dropped_attention_mask_is_exact_where_loss_is_taken(tiny_model):
+    """The built-in trainer gives the model no attention mask (sdpa's flash kernel takes
+    none): with right padding under a causal mask a real token never sees a pad, so the
+    loss and every gradient are those of the masked model, on a batch of very unequal rows."""
+    import torch
+
+    from overbrainer.trainers.builtin.model import Decoder, TokenLoss, load_model
+    from overbrainer.trainers.examples import collate
+
+    cfg = {"base_model": str(tiny_model), "adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+           "lora_target_modules": ["q_proj", "v_proj"]}
+    torch.manual_seed(0)
+    model, _ = load_model(cfg, torch.device("cpu"), bf16=False)
+    with torch.no_grad():  # a random tiny model barely looks at other tokens: make attention count
+        for name, p in model.named_parameters():
+            if "o_proj" in name:
+                p.mul_(50)
+    rows = [SimpleNamespace(ids=list(range(5, 5 + n)), labels=[-100] * (n // 2) + list(range(5 + n // 2, 5 + n)))
+            for n in (7, 31, 18)]
+    batch = collate(rows, pad_id=0)
+    assert (batch["attention_mask"] == 0).sum() > 30  # much padding
+
+    def loss_and_grads(batch, mask):
+        model.zero_grad(set_to_none=True)
+        loss = TokenLoss(mask=mask)(Decoder(model), batch)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+    (masked, masked_grads), (unmasked, unmasked_grads) = loss_and_grads(batch, True), loss_and_grads(batch, False)
+    assert torch.allclose(masked, unmasked, rtol=1e-6, atol=1e-6)
+    for a, b in zip(masked_grads, unmasked_grads):
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max(), ((a - b).abs().max(), a.abs().max())
+    # the control: pads on the left are seen without the mask, and the loss says so
+    left = {k: v.flip(1) for k, v in batch.items()}
+    assert not torch.allclose(loss_and_grads(left, True)[0], loss_and_grads(left, False)[0], rtol=1e-5)
+
+
 def test_hardware_the_machine_lacks_is_one_line_before_anything_is_written(project, tmp_path, train, says):
     if cuda_here():
         pytest.skip("this machine has a GPU")

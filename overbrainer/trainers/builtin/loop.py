@@ -143,7 +143,7 @@ def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = 
         if world.main:
             print("lm_head carries a LoRA adapter: its loss is not fused (Liger's fused loss cannot take an "
                   "adapter)", flush=True)
-    loss = TokenLoss(fused=fused_loss, mask=device.type != "cuda")
+    loss = TokenLoss(fused=fused_loss)
     decoder = world.wrap(Decoder(model, loss), device, layers=decoder_layers(model), bf16=bf16)
     # after the wrap: sharded, the parameters are this rank's slices (DTensors)
     params = [p for p in model.parameters() if p.requires_grad]
