@@ -44,18 +44,25 @@ def fill_after_the_first_checkpoint(proc: subprocess.Popen, folder, disk, room: 
         release(trainers)
 
 
+def bake_and_fill(project, runs, disk, room: int) -> tuple[str, str, int]:
+    """A foreground bake into `runs` on `disk`, filled after its first checkpoint
+    (`fill_after_the_first_checkpoint`): its stdout, stderr and exit code."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "overbrainer.cli", "bake", str(project.plan_path), "--foreground", "--runs", str(runs)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    fill_after_the_first_checkpoint(proc, runs / "tiny", disk, room=room)
+    out, err = proc.communicate(timeout=300)
+    return out, err, proc.returncode
+
+
 def test_full_disk_during_a_checkpoint(project, references, small_disk):
     project.write(steps=40, save_every=10, eval_every=10)
     reference = references.folder(steps=40, save_every=10, eval_every=10)
 
     runs = small_disk / "runs"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "overbrainer.cli", "bake", str(project.plan_path), "--foreground", "--runs", str(runs)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    fill_after_the_first_checkpoint(proc, runs / "tiny", small_disk, room=24_000)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 1, (out, err)
+    out, err, code = bake_and_fill(project, runs, small_disk, room=24_000)
+    assert code == 1, (out, err)
     first_line = err.strip().splitlines()[0]
     assert "no space left on the device while saving checkpoint" in first_line and "step-000010 is intact" in first_line
     assert "Traceback" not in err
@@ -82,13 +89,8 @@ def test_a_disk_full_to_the_last_byte_fails_in_one_line(project, small_disk):
     nothing is called done."""
     project.write(steps=40, save_every=10, eval_every=10)
     runs = small_disk / "runs"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "overbrainer.cli", "bake", str(project.plan_path), "--foreground", "--runs", str(runs)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    fill_after_the_first_checkpoint(proc, runs / "tiny", small_disk, room=0)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode not in (0, None), (out, err)
+    out, err, code = bake_and_fill(project, runs, small_disk, room=0)
+    assert code != 0, (out, err)
     assert "Traceback" not in err and "sqlite3" not in err, err
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and ("no space left" in errors[0] or "disk" in errors[0]), err
