@@ -23,7 +23,8 @@ if not PLAN:
           "lists its steps)", file=sys.stderr)
     sys.exit(2)
 
-from overbrainer.graph.driver import Outcome, compile_bake, doit_config, set_aside_damaged_db  # noqa: E402
+from overbrainer.graph.doitdb import set_aside_damaged_db  # noqa: E402
+from overbrainer.graph.driver import Outcome, compile_bake, doit_config  # noqa: E402
 
 try:
     BAKE = compile_bake(PLAN, say=lambda message: print(message, flush=True))

@@ -20,11 +20,10 @@ from ..portable.common import now
 from ..remembered import remember
 from ..steps.context import Bake
 from .compile import compile_bake
-from .doitdb import BACKEND, BACKEND_PLUGIN, set_aside_damaged_db
 from .tasks import Outcome
 
 __all__ = ["Outcome", "run_bake", "exit_code", "dry_run", "would_run", "doit_config", "memory_estimate", "outcome", "AlreadyRunning",
-           "compile_bake", "set_aside_damaged_db", "claim_done", "check_owner", "owner_fields"]
+           "compile_bake", "claim_done", "check_owner", "owner_fields"]
 
 
 def doit_config(bake: Bake, done: Outcome, tell_errors: bool = False, record: bool = False,
@@ -47,6 +46,8 @@ def doit_backend() -> str:
     sqlite3 where not (a checkout on PYTHONPATH). A bake registers it itself."""
     from importlib.metadata import entry_points
 
+    from .doitdb import BACKEND
+
     return BACKEND if entry_points(group="doit.BACKEND", name=BACKEND) else "sqlite3"
 
 
@@ -64,6 +65,7 @@ def run_bake(bake: Bake, task: str | list[str] = "train", done: Outcome | None =
     from doit.cmd_base import ModuleTaskLoader
     from doit.doit_cmd import DoitMain
 
+    from .doitdb import BACKEND, BACKEND_PLUGIN, set_aside_damaged_db
     from .tasks import doit_tasks
 
     folder = bake.folder
