@@ -91,6 +91,10 @@ def test_the_dropped_attention_mask_is_exact_where_loss_is_taken(tiny_model):
     assert not torch.allclose(loss_and_grads(left, True)[0], loss_and_grads(left, False)[0], rtol=1e-5)
 
 
+@pytest.mark.parametrize("train, says", [
+    pytest.param({"device": "cuda"}, 'train.device: "cuda", but torch sees no CUDA GPU here', id="cuda"),
+    pytest.param({"liger": True}, "train.liger: Liger Kernel runs on a CUDA GPU only", id="liger"),
+])
 def test_hardware_the_machine_lacks_is_one_line_before_anything_is_written(project, tmp_path, train, says):
     if cuda_here():
         pytest.skip("this machine has a GPU")
