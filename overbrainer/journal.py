@@ -38,6 +38,7 @@ import socket
 from .errors import RunStateError
 from .folder import RunFolder
 from .fsio import write_atomic
+from .portable.common import proc_start
 
 __all__ = ["STATES", "ACTIVE", "FINAL", "DIED", "Damaged", "read", "load", "status", "update", "this_process", "alive",
            "problem", "no_run"]
@@ -160,7 +161,7 @@ def this_process() -> dict:
 
     me = psutil.Process()
     record = {"pid": me.pid, "create_time": me.create_time(), "host": socket.gethostname()}
-    boot, ticks = _boot_id(), _start_ticks(me.pid)
+    boot, ticks = _boot_id(), proc_start(me.pid)[1]
     if boot and ticks is not None:
         record.update(boot=boot, ticks=ticks)
     return record
@@ -171,15 +172,6 @@ def _boot_id() -> str | None:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip()
     except OSError:
-        return None
-
-
-def _start_ticks(pid: int) -> int | None:
-    """When process `pid` started, in clock ticks since boot (Linux; None elsewhere)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
         return None
 
 
@@ -194,7 +186,7 @@ def alive(process: dict | None) -> bool:
     try:
         p = psutil.Process(process["pid"])
         if isinstance(process.get("ticks"), int) and process.get("boot"):
-            same = process["boot"] == _boot_id() and _start_ticks(p.pid) == process["ticks"]
+            same = process["boot"] == _boot_id() and proc_start(p.pid)[1] == process["ticks"]
         else:  # not Linux, or written by an older overbrainer: the wall clock's create time
             same = abs(p.create_time() - process["create_time"]) < 1.0
         return same and p.status() != psutil.STATUS_ZOMBIE

@@ -99,14 +99,13 @@ def quiet_transformers() -> None:
     peft's use of a renamed property (`is_gradient_checkpointing`) gives for every model it
     wraps: nothing there for the user to act on. For the rest of the process (a trainer, a
     merge, a chat), where `_quiet_transformers` below is for one import and restores."""
+    import warnings
+
     from transformers.utils import logging
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
-    import warnings
-
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-
 
 
 # --- GGUF ---------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from . import faults
 __all__ = [
     "NO_METRICS_EXIT", "METRICS", "LOG", "STOP", "STOPPED", "TRAINER_ERROR", "META", "now", "die_with_parent", "write_atomic", "write_json", "read_json", "read_json_lines",
     "fsync_dir", "fsync_tree", "log_line", "append_log", "has_metric_line", "truncate_metrics", "phase_of", "run_commands",
+    "proc_start",
 ]
 
 NO_METRICS_EXIT = 86  # the job ended well but wrote no metric line (its plugin did not load)
@@ -34,6 +35,18 @@ STOP = "stop"  # a stop request: save a checkpoint at the next step and end
 STOPPED = "stopped.json"  # the trainer stopped early, on request
 TRAINER_ERROR = "trainer-error.txt"  # one line: why the trainer gave up
 META = "meta.json"  # a checkpoint's sidecar, written last: with it the checkpoint is whole
+
+
+def proc_start(pid: int) -> tuple[str | None, int | None]:
+    """(state, start time in clock ticks since boot) of process `pid`, from /proc/PID/stat
+    (Linux): the start time names a process across pid reuse, and no change of the wall
+    clock moves it. (None, None) where there is no such process or no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None, None
 
 
 def now() -> str:

@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 
 from . import common
-from .common import LOG, STOP, now, read_json, write_json
+from .common import LOG, STOP, now, proc_start, read_json, write_json
 
 FORMAT = 1
 RUN = "run"  # the run folder, inside the job folder
@@ -252,15 +252,6 @@ def resolve_base(home: Path, job: dict, given: str | None) -> Path:
 # -- running ------------------------------------------------------------------------------
 
 
-def _start_time(pid: int):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return fields[0], int(fields[19])  # state, start time in clock ticks
-    except (OSError, ValueError, IndexError):
-        return None, None
-
-
 def alive(info) -> bool:
     """Whether the process a job.pid names still runs (and is that process)."""
     if not isinstance(info, dict) or not isinstance(info.get("pid"), int):
@@ -271,7 +262,7 @@ def alive(info) -> bool:
         return False
     except PermissionError:
         pass
-    state, start = _start_time(info["pid"])
+    state, start = proc_start(info["pid"])
     if state == "Z":
         return False
     return start is None or info.get("start") is None or start == info["start"]
@@ -294,7 +285,7 @@ def run_job(home: Path, base: str | None, result: str | None, detached: bool) ->
     run_dir = home / RUN
     (home / END).unlink(missing_ok=True)
     if not detached:
-        write_json(home / PID, {"pid": os.getpid(), "start": _start_time(os.getpid())[1]})
+        write_json(home / PID, {"pid": os.getpid(), "start": proc_start(os.getpid())[1]})
     started = time.monotonic()
     stop = run_dir / STOP
 
@@ -357,7 +348,7 @@ def start(home: Path, base: str | None) -> dict:
     with open(home / "runner.out", "ab") as out:
         child = subprocess.Popen(argv, cwd=home, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                  start_new_session=True, close_fds=True)
-    write_json(home / PID, {"pid": child.pid, "start": _start_time(child.pid)[1], "log_start": log_start})
+    write_json(home / PID, {"pid": child.pid, "start": proc_start(child.pid)[1], "log_start": log_start})
     return {**status(home), "log_start": log_start}
 
 
