@@ -301,11 +301,17 @@ def worker_trl(run: Path, mode: str, threads: int, packed_batch: int) -> dict:
     }
 
 
-def run_trl(run: Path, mode: str, threads: int, packed_batch: int) -> dict:
+# the built-in trainer's allocator settings on the CPU (device.keep_freed_memory), given to
+# TRL's process too with --peer-malloc: glibc reads them from the environment
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+
+
+def run_trl(run: Path, mode: str, threads: int, packed_batch: int, malloc: bool = False) -> dict:
     out = run / f"{mode}.json"
     out.unlink(missing_ok=True)
+    env = dict(thread_env(threads), **(KEEP_FREED_MEMORY if malloc else {}))
     m = measure([PY, __file__, "--worker", mode, "--run", str(run), "--threads", str(threads),
-                 "--packed-batch", str(packed_batch), "--result", str(out)], cwd=run, env=thread_env(threads)).check()
+                 "--packed-batch", str(packed_batch), "--result", str(out)], cwd=run, env=env).check()
     result = json.loads(out.read_text())
     result.update(wall_s=m.wall, maxrss_mb=m.maxrss_kb / 1024)
     return result
@@ -429,6 +435,8 @@ def main() -> None:
                     help="each step's conversations drawn at random (train.group_by_length false)")
     ap.add_argument("--packed-batch", type=int, default=2)
     ap.add_argument("--only", default="builtin,trl,trl-padfree,trl-packed")
+    ap.add_argument("--peer-malloc", action="store_true",
+                    help="TRL's process gets the built-in trainer's allocator settings too (glibc keeps freed memory)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-steps", type=int, default=8)
     ap.add_argument("--no-torch-profile", action="store_true", help="py-spy only")
@@ -452,7 +460,8 @@ def main() -> None:
     print(f"# model {args.model} ({cfg['base_model']}), {args.chats} chats of {lengths[0]}-{lengths[-1]} tokens "
           f"(median {lengths[len(lengths) // 2]}), {args.steps} steps of {args.batch}x{args.gas}, seq {args.seq}, "
           f"LoRA r={args.lora_r} on {','.join(cfg['lora_target_modules'])}, {'bf16' if args.bf16 else 'fp32'}, "
-          f"{'grouped by length' if cfg.get('group_by_length') else 'random batches'}, {args.threads} threads; "
+          f"{'grouped by length' if cfg.get('group_by_length') else 'random batches'}, {args.threads} threads, "
+          f"TRL {'with' if args.peer_malloc else 'without'} the built-in trainer's allocator settings; "
           f"steady state: steps {args.skip + 1}-{args.steps}", flush=True)
     print(f"# per step: {sum(useful) / len(useful):.0f} non-pad tokens, {sum(loss_tok) / len(loss_tok):.0f} loss tokens, "
           f"{sum(padded) / len(padded):.0f} padded positions", flush=True)
@@ -464,7 +473,8 @@ def main() -> None:
             continue
         print(f"running {name} ...", flush=True)
         try:
-            r = run_builtin(run, args.threads) if name == "builtin" else run_trl(run, name, args.threads, args.packed_batch)
+            r = run_builtin(run, args.threads) if name == "builtin" else run_trl(run, name, args.threads, args.packed_batch,
+                                                                          args.peer_malloc)
         except SystemExit as e:  # a contender that cannot run here is reported, not fatal
             print(f"{name}: failed\n{str(e)[-1500:]}", flush=True)
             results[name] = {"failed": str(e)[-1500:]}

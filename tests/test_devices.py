@@ -45,6 +45,57 @@ def test_device_cpu_given_and_deterministic_change_nothing_on_cpu(project, refer
     assert (folder / final).read_bytes() == (reference / final).read_bytes()
 
 
+KEPT_AFTER_A_FREE = """
+import sys, psutil, torch
+from overbrainer.trainers.builtin.device import keep_freed_memory
+kept = keep_freed_memory() if sys.argv[1] == "keep" else False
+rss = lambda: psutil.Process().memory_info().rss
+x = torch.ones(50 * 2**20)  # 200 MB
+before = rss()
+del x
+print(kept, (before - rss()) >> 20)
+"""
+
+
+@pytest.mark.skipif("not glibc_here()", reason="glibc's allocator only")
+def test_freed_memory_is_kept_for_the_next_step_on_the_cpu():
+    """A 200 MB tensor freed: with the trainer's allocator settings its pages stay with the
+    process for the next step to reuse (glibc's default hands them back to the kernel, and
+    the next step faults them in again, page by page); a user's own MALLOC_* setting wins."""
+    import os
+    import subprocess
+    import sys
+
+    def run(mode, **env):
+        out = subprocess.run([sys.executable, "-c", KEPT_AFTER_A_FREE, mode], capture_output=True, text=True,
+                             env={**{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}, **env},
+                             check=True)
+        kept, returned_mb = out.stdout.split()
+        return kept == "True", int(returned_mb)
+
+    kept, returned_kept = run("keep")
+    plain, returned_plain = run("plain")
+    assert kept and not plain
+    assert returned_kept < 10 and returned_plain > 190
+    assert run("keep", MALLOC_TRIM_THRESHOLD_="131072")[0] is False
+
+
+def glibc_here() -> bool:
+    import platform
+
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
+@pytest.mark.skipif("cuda_here() or not glibc_here()", reason="the CPU's allocator settings")
+def test_the_allocator_settings_change_no_bit(project, references):
+    """The same bake with glibc's defaults (a MALLOC_ variable set: the trainer leaves the
+    allocator alone): the same adapter, bit for bit."""
+    reference = references.folder()
+    report = bake_json(str(project.plan_path), env={"MALLOC_ARENA_MAX": "8"})
+    final = "checkpoints/step-000008/adapter_model.safetensors"
+    assert (Path(report["folder"]) / final).read_bytes() == (reference / final).read_bytes()
+
+
 def test_gradient_checkpointing_gives_the_same_losses(references):
     plain = references.folder(lora_dropout=0.0)
     checkpointed = references.folder(lora_dropout=0.0, gradient_checkpointing=True)
