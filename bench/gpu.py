@@ -134,16 +134,31 @@ def prepare(case: dict, args) -> tuple[Path, dict]:
     return run, cfg
 
 
-def set_contender(run: Path, cfg: dict, liger: bool, processes: int = 0) -> None:
-    """config.yaml as `prepare` wrote it (`cfg`), with the Liger keys (``train.liger``) as
-    given and, for `processes` > 0, ``shard`` (``train.shard``) with each step's examples
-    in as many micro-batches, one a process (the same examples a step: the same math)."""
+# what a built-in contender's name turns on, after "builtin": "builtin-liger-compile" is both
+BUILTIN_OPTIONS = ("liger", "compile", "shard")
+
+
+def builtin_options(name: str) -> set[str]:
+    """{"liger", "compile", "shard"} as `name` says ("builtin", "builtin-liger", ...)."""
+    words = name.split("-")
+    unknown = [w for w in words[1:] if w not in BUILTIN_OPTIONS]
+    if words[0] != "builtin" or unknown:
+        raise SystemExit(f"gpu.py: contender {name!r}: a built-in contender is builtin[-liger][-compile][-shard]")
+    return set(words[1:])
+
+
+def set_contender(run: Path, cfg: dict, liger: bool, processes: int = 0, compile: bool = False) -> None:
+    """config.yaml as `prepare` wrote it (`cfg`), with the Liger keys (``train.liger``) and
+    ``torch_compile`` (``train.compile``: each decoder layer) as given and, for `processes`
+    > 0, ``shard`` (``train.shard``) with each step's examples in as many micro-batches, one
+    a process (the same examples a step: the same math)."""
     import yaml
 
     cfg = dict(cfg)
     cfg.pop("liger", None)  # train.liger "auto" (the default): each contender says on or off itself
     for key in ("liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy"):
         cfg[key] = liger
+    cfg["torch_compile"] = compile
     if processes:
         per_step = cfg["micro_batch_size"] * cfg["gradient_accumulation_steps"]
         if per_step % processes:
@@ -313,8 +328,9 @@ def contender(name: str, case: dict, run: Path, cfg: dict, args, peak: float) ->
     row = {"case": case["name"], "contender": name}
     try:
         if name.startswith("builtin"):
-            processes = shard_processes(args.device) if name == "builtin-shard" else 0
-            set_contender(run, cfg, liger=name == "builtin-liger", processes=processes)
+            options = builtin_options(name)
+            processes = shard_processes(args.device) if "shard" in options else 0
+            set_contender(run, cfg, liger="liger" in options, processes=processes, compile="compile" in options)
             got = run_builtin(run, max(1, (os.cpu_count() or 1) // max(processes, 1)), processes,
                               timeout=args.contender_timeout)
             lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -347,6 +363,10 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated case names (1.7b-lora, 1.7b-full, 135m-lora, 135m-full)")
     ap.add_argument("--no-pytest", action="store_true")
     ap.add_argument("--padded", action="store_true", help="TRL with padded batches too (its slowest)")
+    ap.add_argument("--contenders", default="",
+                    help="comma-separated, in place of each case's usual list: builtin[-liger][-compile][-shard], "
+                         "trl, trl-padfree, trl-liger (e.g. the full fine-tune's MFU: --only 1.7b-full "
+                         "--contenders builtin,builtin-liger,builtin-compile,builtin-liger-compile)")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds for the whole run: a contender that cannot start with 30 s left is skipped")
     ap.add_argument("--contender-timeout", type=float, default=240, help="seconds before one contender is killed")
@@ -355,6 +375,12 @@ def main() -> int:
     if args.worker:
         worker_trl(Path(args.run), args.worker, args.device, Path(args.result))
         return 0
+    for name in filter(None, args.contenders.split(",")):  # a misspelled one stops here, before any training
+        if name.startswith("builtin"):
+            builtin_options(name)
+        elif name not in ("trl", "trl-padfree", "trl-liger"):
+            raise SystemExit(f"gpu.py: contender {name!r}: one of builtin[-liger][-compile][-shard], "
+                             "trl, trl-padfree, trl-liger")
     # the trainer's process imports overbrainer from this checkout (installed or not)
     os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH")) if x)
     tiny = args.tiny
@@ -417,6 +443,8 @@ def main() -> int:
             names = [n for n in names if n != "trl-liger"]
         if case["adapter"] == "full" and case["shape"] == shapes[0]:
             names.append("builtin-shard")  # train.shard: FSDP2 (the bigger full fine-tune only: 8 minutes)
+        if args.contenders:
+            names = args.contenders.split(",")
         for name in names:
             if left() < 30:
                 rows.append({"case": case["name"], "contender": name, "error": "skipped: --deadline reached"})
@@ -467,9 +495,12 @@ def summarize(rows: list[dict]) -> dict:
         ok = [r for r in rows if r["case"] == case and "error" not in r]
         # builtin-shard is reported beside, not as the built-in's best: on one GPU it is a
         # world of one, which a plan cannot ask for
-        ours = max((r for r in ok if r["contender"] in ("builtin", "builtin-liger")), key=lambda r: r["tokens_per_s"],
-                   default=None)
+        ours = max((r for r in ok if r["contender"].startswith("builtin") and "shard" not in builtin_options(r["contender"])),
+                   key=lambda r: r["tokens_per_s"], default=None)
         shard = next((r for r in ok if r["contender"] == "builtin-shard"), None)
+        if ours and case.endswith("-full"):
+            goals.append(f"# {case}: the built-in's best MFU {ours['mfu']:.1%} ({ours['contender']}; the goal for "
+                         "the 1.7B shape: 45 %)")
         if ours and shard:
             goals.append(f"# {case}: builtin-shard (FSDP2) {shard['tokens_per_s'] / ours['tokens_per_s']:.2f}x "
                          f"{ours['contender']} in useful tokens/s, MFU {shard['mfu']:.1%}, peak memory "
