@@ -126,15 +126,11 @@ def until(what: str, check, timeout: float = 120):
 
 
 def test_the_page_in_a_real_browser(server, baked_copy, tmp_path, tiny_model):
-    baked_copy()  # "tiny": a finished run
-    long = make_project(tmp_path / "long-project", tiny_model)
-    long.plan["name"] = "long"
-    long.write(steps=20000, save_every=5000, eval_every=10, samples={"every": 1000, "max_new_tokens": 4})
-    cli("bake", str(long.plan_path), "--detach", "--runs", str(tmp_path / "runs"))
-    running = Run(tmp_path / "runs" / "long")
-    until("the long run training", lambda: running.progress()["step"] >= 2, timeout=300)
-    url, _, _ = server
+    # the browser first: where it cannot start, the test is skipped before a 20,000-step
+    # run is started that nothing would stop
     browser = chromium(tmp_path)
+    running = Run(tmp_path / "runs" / "long")
+    url, _, _ = server
 
     def graph() -> dict:
         """Each step's node in the page's Mermaid drawing, and its state (a class of the node)."""
@@ -143,6 +139,12 @@ def test_the_page_in_a_real_browser(server, baked_copy, tmp_path, tiny_model):
         return {re.search(r"flowchart-(\w+)-\d+$", i).group(1): c.split()[-1] for i, c in nodes if "plan" not in i}
 
     try:
+        baked_copy()  # "tiny": a finished run
+        long = make_project(tmp_path / "long-project", tiny_model)
+        long.plan["name"] = "long"
+        long.write(steps=20000, save_every=5000, eval_every=10, samples={"every": 1000, "max_new_tokens": 4})
+        cli("bake", str(long.plan_path), "--detach", "--runs", str(tmp_path / "runs"))
+        until("the long run training", lambda: running.progress()["step"] >= 2, timeout=300)
         browser.get(url + "/")
         rows = until("both runs listed", lambda: {
             r.get_attribute("data-run"): r.find_element("css selector", ".state").text
@@ -178,6 +180,6 @@ def test_the_page_in_a_real_browser(server, baked_copy, tmp_path, tiny_model):
         until("the page showing it stopped", lambda: browser.find_element("id", "state").text == "stopped", timeout=30)
     finally:
         browser.quit()
-        if running.state in ("starting", "running", "stopping"):
+        if running.folder.root.exists() and running.state in ("starting", "running", "stopping"):
             running.stop(wait=True, timeout=120)
     assert os.path.getsize(OUTPUT / "serve-run-page.png") > 10_000
