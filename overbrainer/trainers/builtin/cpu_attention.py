@@ -1,0 +1,127 @@
+"""Causal attention for training in bf16 on the CPU: sdpa's forward, a faster backward.
+
+PyTorch's flash attention for the CPU runs its bf16 forward fast, but its bf16 backward
+takes 6 to 19 times as long as that forward (2 cores, SmolLM2's 9 heads over 3 KV heads,
+4 sequences of 128 to 512 tokens), where a backward should take two to three: about 30 %
+of a LoRA step of SmolLM2-135M. Here the forward is sdpa's own CPU flash kernel, which also
+returns each row's log-sum-exp; the backward recomputes the attention in blocks of queries
+from that log-sum-exp, as a flash kernel's does (memory linear in the length: no block's
+probabilities outlive it), with the key and value heads shared by their query heads
+without copying them, and skips the blocks above the diagonal.
+
+The built-in trainer uses it where it was measured faster: training on the CPU in bf16
+(`train.bf16: true`), causal attention without a mask (the loop drops it: right padding),
+no dropout, batches of at most `LONGEST` tokens. Anything else (evaluation, chat, a longer
+batch) goes to transformers' sdpa, unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAME = "overbrainer_cpu"
+BLOCK = 64  # queries a block; 128 and 256 were slower on 2 cores (bench/README section 4)
+# the longest sequence it takes: past ~600 tokens sdpa's backward was as fast (2 cores)
+LONGEST = 512
+
+
+class CausalAttention(torch.autograd.Function):
+    """out = softmax(q kᵀ · scale + causal) v, for q (B, H, T, D) and k, v (B, H/G, T, D)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, True, attn_mask=None, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*attention_backward(q, k, v, out, lse, grad_out, ctx.scale), None)
+
+
+def attention_backward(q, k, v, out, lse, grad_out, scale: float, block: int = BLOCK):
+    """(dq, dk, dv) of causal attention, recomputed a block of queries at a time.
+
+    The G query heads of a key head are stacked as rows of one matrix (B, KVH, G·rows, D),
+    so every product is one batched matmul against the shared keys. The products whose
+    results are subtracted or exponentiated (the scores, dO·Vᵀ) and dQ are float32, as the
+    forward's scores are: rounded to bf16 they made dQ twice as far from float32's as sdpa's
+    (tests/test_cpu_attention.py); the two that only sum into dK and dV run in the inputs'
+    dtype (bf16: float32 sums inside), summed over the blocks in float32."""
+    B, H, T, D = q.shape
+    KVH = k.shape[1]
+    G = H // KVH
+    dtype = q.dtype
+    q5 = q.reshape(B, KVH, G, T, D)
+    qf5 = q5.float() * scale  # the scores' left side, scaled once in float32 (a new tensor)
+    do5 = grad_out.reshape(B, KVH, G, T, D)
+    lse5 = lse.view(B, KVH, G, T)
+    delta = (do5.float() * out.reshape(B, KVH, G, T, D).float()).sum(-1)  # rowsum(dO ∘ O)
+    dq = torch.empty(B, KVH, G, T, D, dtype=dtype)
+    dk = torch.zeros(B, KVH, T, D, dtype=torch.float32)
+    dv = torch.zeros(B, KVH, T, D, dtype=torch.float32)
+    kf, vf = k.float(), v.float()
+    above = torch.ones(block, block, dtype=torch.bool).triu_(1)  # keys after the query
+    for s in range(0, T, block):
+        e = min(s + block, T)
+        rows = e - s
+        qb = q5[:, :, :, s:e].reshape(B, KVH, G * rows, D)
+        qfb = qf5[:, :, :, s:e].reshape(B, KVH, G * rows, D)
+        dob = do5[:, :, :, s:e].reshape(B, KVH, G * rows, D)
+        kb = kf[:, :, :e]
+        p = torch.matmul(qfb, kb.transpose(-1, -2)).view(B, KVH, G, rows, e)
+        p[..., s:e].masked_fill_(above[:rows, :rows], float("-inf"))
+        p.sub_(lse5[:, :, :, s:e, None]).exp_()  # the forward's probabilities, exactly renormalized
+        p_in = p.to(dtype).view(B, KVH, G * rows, e)
+        dv[:, :, :e] += torch.matmul(p_in.transpose(-1, -2), dob)
+        dp = torch.matmul(dob.float(), vf[:, :, :e].transpose(-1, -2)).view(B, KVH, G, rows, e)
+        ds = p.mul_(dp.sub_(delta[:, :, :, s:e, None])).view(B, KVH, G * rows, e)
+        dq[:, :, :, s:e] = torch.matmul(ds, kb).mul_(scale).view(B, KVH, G, rows, D)
+        dk[:, :, :e] += torch.matmul(ds.to(dtype).transpose(-1, -2), qb)
+    return dq.view(B, H, T, D), dk.mul_(scale).to(k.dtype), dv.to(v.dtype)
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+              is_causal: bool | None = None, **kwargs):
+    """transformers' attention interface: (output (B, T, H, D), None). This path where
+    it applies (`applies`), transformers' sdpa otherwise."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if not applies(module, query, key, attention_mask, dropout, is_causal, kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = CausalAttention.apply(query, key, value, scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def applies(module, query, key, attention_mask, dropout, is_causal, kwargs) -> bool:
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    return (
+        query.device.type == "cpu"
+        and query.dtype == torch.bfloat16
+        and key.dtype == query.dtype
+        and torch.is_grad_enabled()
+        and attention_mask is None
+        and not dropout
+        and causal
+        and 1 < query.shape[2] == key.shape[2] <= LONGEST
+        and query.shape[1] % key.shape[1] == 0
+        and kwargs.get("sliding_window") is None
+        and kwargs.get("softcap") is None
+        and kwargs.get("position_bias") is None
+    )
+
+
+def register() -> str:
+    """Make `NAME` an attention implementation transformers knows (its masks: sdpa's)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(NAME, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+    return NAME

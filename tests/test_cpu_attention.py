@@ -1,0 +1,105 @@
+"""The built-in trainer's causal attention for bf16 training on the CPU: sdpa's forward,
+its own backward (overbrainer/trainers/builtin/cpu_attention.py). Its gradients against
+sdpa's, in float32 (the same math) and bf16 (no less accurate), and where the trainer
+takes it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from overbrainer.trainers.builtin import cpu_attention
+from overbrainer.trainers.builtin.cpu_attention import CausalAttention
+
+
+def inputs(batch, heads, kv_heads, length, dim=64, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(batch, heads, length, dim), (batch, kv_heads, length, dim), (batch, kv_heads, length, dim),
+              (batch, heads, length, dim)]
+    return [torch.randn(s, generator=g).to(dtype) for s in shapes]
+
+
+def forward_backward(attend, q, k, v, grad):
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = attend(q, k, v)
+    out.backward(grad)
+    return [out, q.grad, k.grad, v.grad]
+
+
+def sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def ours(q, k, v):
+    return CausalAttention.apply(q, k, v, q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,length", [(9, 3, 37), (9, 3, 64), (4, 4, 130), (4, 2, 200), (2, 1, 2)])
+def test_float32_gradients_are_sdpas(heads, kv_heads, length):
+    """The same math as sdpa in float32: output and the three gradients, for lengths that
+    are and are not a multiple of the block, with key heads shared (GQA) and not."""
+    x = inputs(2, heads, kv_heads, length)
+    given = [t.clone() for t in x]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), forward_backward(ours, *x), forward_backward(sdpa, *x)):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert torch.allclose(a, b, atol=2e-5, rtol=1e-4), (name, (a - b).abs().max().item())
+    assert all(torch.equal(a, b) for a, b in zip(x, given))  # nothing written into the inputs
+
+
+@pytest.mark.parametrize("length", [64, 200, 512])
+def test_bf16_gradients_are_as_close_to_float32_as_sdpas(length):
+    """In bf16 no further from the float32 result than sdpa's own bf16 kernels are."""
+    x = inputs(4, 9, 3, length)
+    exact = forward_backward(sdpa, *x)
+    low = [t.bfloat16() for t in x]
+    theirs, mine = forward_backward(sdpa, *low), forward_backward(ours, *low)
+    for name, e, t, m in zip(("out", "dq", "dk", "dv"), exact, theirs, mine):
+        assert m.dtype == torch.bfloat16, name
+        their_error, my_error = (t.float() - e).abs().max().item(), (m.float() - e).abs().max().item()
+        assert my_error <= 1.25 * their_error + 1e-3, (name, my_error, their_error)
+
+
+def test_the_trainer_takes_it_for_bf16_training_on_the_cpu_only(tiny_model, tmp_path, monkeypatch):
+    """load_model: bf16 on the CPU names it as the model's attention, float32 keeps sdpa. A
+    training forward goes through it once a layer; evaluation (no grad) and a batch longer
+    than it takes go to sdpa; and nothing of it reaches a saved model's config.json."""
+    from overbrainer.trainers.builtin.model import Decoder, TokenLoss, load_model
+
+    cfg = {"base_model": str(tiny_model), "adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+           "lora_target_modules": ["q_proj", "v_proj"]}
+    cpu = torch.device("cpu")
+    plain, _ = load_model(cfg, cpu, bf16=False)
+    assert plain.config._attn_implementation == "sdpa"
+    model, tokenizer = load_model(cfg, cpu, bf16=True)
+    assert model.config._attn_implementation == cpu_attention.NAME
+
+    calls = []
+    apply = CausalAttention.apply
+    monkeypatch.setattr(CausalAttention, "apply", lambda *a: calls.append(a[0].shape) or apply(*a))
+    layers = model.config.num_hidden_layers
+
+    def batch(length):
+        ids = torch.randint(5, len(tokenizer) - 5, (2, length), generator=torch.Generator().manual_seed(length))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+    decoder, loss = Decoder(model), TokenLoss(mask=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        value = loss(decoder, batch(40))
+    value.backward()
+    assert len(calls) == layers and all(s[2] == 40 for s in calls), calls
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    calls.clear()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss(decoder, batch(40))
+        loss(decoder, batch(cpu_attention.LONGEST + 1))
+    assert calls == []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss(decoder, batch(cpu_attention.LONGEST + 1)).backward()
+    assert calls == []
+
+    model.get_base_model().save_pretrained(tmp_path / "saved")
+    assert cpu_attention.NAME not in (tmp_path / "saved" / "config.json").read_text()
+    assert "attn_implementation" not in json.loads((tmp_path / "saved" / "config.json").read_text())
