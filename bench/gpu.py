@@ -444,7 +444,7 @@ def main() -> int:
         if case["adapter"] == "full" and case["shape"] == shapes[0]:
             names.append("builtin-shard")  # train.shard: FSDP2 (the bigger full fine-tune only: 8 minutes)
         if args.contenders:
-            names = args.contenders.split(",")
+            names = [n for n in args.contenders.split(",") if n]
         for name in names:
             if left() < 30:
                 rows.append({"case": case["name"], "contender": name, "error": "skipped: --deadline reached"})

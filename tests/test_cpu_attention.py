@@ -37,10 +37,15 @@ def ours(q, k, v):
     return CausalAttention.apply(q, k, v, q.shape[-1] ** -0.5)
 
 
+@pytest.mark.parametrize("shared_in_kernel", [True, False], ids=["torch-gqa", "repeated-heads"])
 @pytest.mark.parametrize("heads,kv_heads,length", [(9, 3, 37), (9, 3, 64), (4, 4, 130), (4, 2, 200), (2, 1, 2)])
-def test_float32_gradients_are_sdpas(heads, kv_heads, length):
+def test_float32_gradients_are_sdpas(heads, kv_heads, length, shared_in_kernel, monkeypatch):
     """The same math as sdpa in float32: output and the three gradients, for lengths that
-    are and are not a multiple of the block, with key heads shared (GQA) and not."""
+    are and are not a multiple of the block, with key heads shared (GQA) and not; and with
+    the key heads repeated for the forward, as on a torch whose CPU flash kernel lacks GQA."""
+    if shared_in_kernel and not cpu_attention.KEY_HEADS_SHARED:
+        pytest.skip("this torch's CPU flash kernel does not share key heads")
+    monkeypatch.setattr(cpu_attention, "KEY_HEADS_SHARED", shared_in_kernel)
     x = inputs(2, heads, kv_heads, length)
     given = [t.clone() for t in x]
     for name, a, b in zip(("out", "dq", "dk", "dv"), forward_backward(ours, *x), forward_backward(sdpa, *x)):
@@ -60,6 +65,28 @@ def test_bf16_gradients_are_as_close_to_float32_as_sdpas(length):
         assert m.dtype == torch.bfloat16, name
         their_error, my_error = (t.float() - e).abs().max().item(), (m.float() - e).abs().max().item()
         assert my_error <= 1.25 * their_error + 1e-3, (name, my_error, their_error)
+
+
+def test_it_leaves_to_sdpa_what_its_kernel_does_not_compute():
+    """applies(): a value head size other than the key's (DeepSeek's latent attention), a
+    last dimension that is not contiguous (the flash kernel reads it as if it were),
+    attention sinks, a mask, float32 or no gradient go to sdpa."""
+    q, k, v, _ = inputs(1, 4, 2, 16, dtype=torch.bfloat16)
+
+    def takes(query=q, key=k, value=v, mask=None, **kwargs):
+        with torch.enable_grad():
+            return cpu_attention.applies(None, query, key, value, mask, 0.0, True, kwargs)
+
+    assert takes()
+    assert not takes(value=torch.cat([v, v], dim=-1))
+    assert not takes(query=q.transpose(-1, -2).contiguous().transpose(-1, -2))
+    assert not takes(s_aux=torch.zeros(4))
+    assert not takes(sinks=torch.zeros(4))
+    assert not takes(mask=torch.ones(1, 1, 16, 16, dtype=torch.bool))
+    assert not takes(query=q.float(), key=k.float(), value=v.float())
+    assert not takes(key=k[:, :, :8], value=v[:, :, :8])  # decoding against a cache
+    with torch.no_grad():
+        assert not cpu_attention.applies(None, q, k, v, None, 0.0, True, {})
 
 
 def test_the_trainer_takes_it_for_bf16_training_on_the_cpu_only(tiny_model, tmp_path, monkeypatch):

@@ -23,6 +23,10 @@ NAME = "overbrainer_cpu"
 BLOCK = 64  # queries a block; 128 and 256 were slower on 2 cores (bench/README section 4)
 # the longest sequence it takes: past ~600 tokens sdpa's backward was as fast (2 cores)
 LONGEST = 512
+# sdpa's CPU flash kernel reads fewer key heads than query heads (GQA) only since pytorch
+# PR 157893 (July 2025, in 2.10 at the latest); an older one reads past the key heads, so its
+# forward gets the key and value heads repeated for every query head (the backward never)
+KEY_HEADS_SHARED = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 10)
 
 
 class CausalAttention(torch.autograd.Function):
@@ -30,8 +34,11 @@ class CausalAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale):
+        kq, vq = k, v
+        if k.shape[1] != q.shape[1] and not KEY_HEADS_SHARED:
+            kq, vq = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, True, attn_mask=None, scale=scale
+            q, kq, vq, 0.0, True, attn_mask=None, scale=scale
         )
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = scale
@@ -91,7 +98,7 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     it applies (`applies`), transformers' sdpa otherwise."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if not applies(module, query, key, attention_mask, dropout, is_causal, kwargs):
+    if not applies(module, query, key, value, attention_mask, dropout, is_causal, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -99,21 +106,21 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     return out.transpose(1, 2).contiguous(), None
 
 
-def applies(module, query, key, attention_mask, dropout, is_causal, kwargs) -> bool:
+def applies(module, query, key, value, attention_mask, dropout, is_causal, kwargs) -> bool:
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     return (
         query.device.type == "cpu"
-        and query.dtype == torch.bfloat16
-        and key.dtype == query.dtype
+        and query.dtype == key.dtype == value.dtype == torch.bfloat16
         and torch.is_grad_enabled()
         and attention_mask is None
         and not dropout
         and causal
         and 1 < query.shape[2] == key.shape[2] <= LONGEST
         and query.shape[1] % key.shape[1] == 0
-        and kwargs.get("sliding_window") is None
-        and kwargs.get("softcap") is None
-        and kwargs.get("position_bias") is None
+        and key.shape == value.shape  # one head size for all three (not DeepSeek's latent attention)
+        and query.shape[-1] == key.shape[-1]
+        and all(x.stride(-1) == 1 for x in (query, key, value))  # what the flash kernel reads
+        and all(kwargs.get(term) is None for term in ("sliding_window", "softcap", "position_bias", "s_aux", "sinks"))
     )
 
 
@@ -125,3 +132,20 @@ def register() -> str:
     AttentionInterface.register(NAME, attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
     return NAME
+
+
+def use(model) -> bool:
+    """Switch a model that transformers loaded with sdpa to `NAME`; True when it did.
+
+    Loading with sdpa first keeps transformers' own check that the model's attention is
+    sdpa's (a model with attention sinks or another term sdpa lacks refuses it, where a
+    registered name would be taken on trust). The switch is made only where every attention
+    layer goes through transformers' attention interface; another model (remote code among
+    them) keeps sdpa."""
+    config = model.config
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa" or can_set is None or not can_set():
+        return False
+    register()
+    model.set_attn_implementation(NAME)
+    return config._attn_implementation == NAME

@@ -179,8 +179,8 @@ def keep_freed_memory() -> bool:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
-    # large blocks from the heap (the arenas of other threads hand theirs to it), and its
-    # freed top kept up to 2 GiB (mallopt takes an int)
+    # large blocks from the heap rather than mmap (the main arena's; a side thread's arena
+    # may still map one past its 64 MB heaps), and the freed top kept up to 2 GiB (an int)
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 

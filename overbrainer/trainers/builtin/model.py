@@ -46,15 +46,14 @@ def load_model(cfg: dict, device: torch.device, bf16: bool, sharded: bool = Fals
             device_map={"": device},
         )
         dtype = torch.bfloat16
-    attention = "sdpa"
-    if device.type == "cpu" and bf16:
-        from .cpu_attention import register
-
-        attention = register()  # sdpa's forward, a faster bf16 backward for the CPU
     model = AutoModelForCausalLM.from_pretrained(
-        base, dtype=dtype, attn_implementation=attention, trust_remote_code=bool(cfg.get("trust_remote_code")),
+        base, dtype=dtype, attn_implementation="sdpa", trust_remote_code=bool(cfg.get("trust_remote_code")),
         **extra
     )
+    if device.type == "cpu" and bf16:
+        from . import cpu_attention
+
+        cpu_attention.use(model)  # sdpa's forward, a faster bf16 backward for the CPU
     model.config.use_cache = False
     if adapter == "qlora":
         from peft import prepare_model_for_kbit_training
