@@ -360,3 +360,19 @@ def test_out_of_memory_is_one_line_with_the_step_the_peak_and_what_to_lower():
     assert error.code == OOM_EXIT and "\n" not in message
     assert "at step 8 of 8" in message and "step-000006 is intact" in message
     assert "train.micro_batch_size" in message and "train.gradient_checkpointing" in message
+
+
+def test_a_cpu_without_bf16_instructions_is_told_apart():
+    """cpu_has_bf16 reads /proc/cpuinfo's flags: AVX512-BF16 or AMX on x86, BF16 on Arm; an
+    AVX2-only CPU (where bf16 matmuls were 25x slower than float32's) is False, and a
+    cpuinfo without flags (none to read) is None, not a guess."""
+    from overbrainer.trainers.builtin.device import cpu_has_bf16
+
+    avx2 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma\n"
+    assert cpu_has_bf16(avx2) is False
+    assert cpu_has_bf16(avx2.replace("avx2", "avx2 avx512f avx512_bf16")) is True
+    assert cpu_has_bf16(avx2.replace("avx2", "avx2 amx_tile amx_bf16")) is True
+    assert cpu_has_bf16("processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n") is True
+    assert cpu_has_bf16("processor\t: 0\nFeatures\t: fp asimd\n") is False
+    assert cpu_has_bf16("processor\t: 0\n") is None
+    assert cpu_has_bf16() in (True, False, None)

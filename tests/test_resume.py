@@ -113,8 +113,12 @@ def test_bf16_bake_computes_in_bf16_and_resumes_bitwise(project, tmp_path, refer
     killed mid-training and rerun, it ends bit for bit where an uninterrupted bf16 bake does."""
     from safetensors import safe_open
 
+    from overbrainer.trainers.builtin.device import cpu_has_bf16
+
     reference = references.folder(bf16=True)
     assert "computing in bf16" in (reference / "log.txt").read_text()
+    # a CPU that emulates bf16 is named as the reason a bf16 run is slow
+    assert ("no bf16 instructions" in (reference / "log.txt").read_text()) == (cpu_has_bf16() is False)
     with safe_open(reference / FINAL / "adapter_model.safetensors", "pt") as f:
         assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {"torch.float32"}
     assert weights(reference) != weights(references.folder())  # bf16 arithmetic is not fp32's

@@ -108,10 +108,32 @@ def pick(setting: str, local_rank: int = 0) -> torch.device:
 def use_bf16(setting, device: torch.device) -> bool:
     """Whether to compute in bfloat16: the plan's true or false, or "auto": on a CUDA GPU
     that computes it natively. On the CPU, "auto" stays float32: set true to use a
-    CPU's AVX512-BF16 or AMX (its results differ from float32's, as a GPU's do)."""
+    CPU's AVX512-BF16 or AMX (its results differ from float32's, as a GPU's do; on a CPU
+    without them the trainer says it will be slow, `cpu_has_bf16`)."""
     if setting != "auto":
         return bool(setting)
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool | None:
+    """Whether this CPU computes bf16 in its own instructions: AVX512-BF16 or AMX on x86,
+    the BF16 extension on Arm (Linux's /proc/cpuinfo flags). Without them PyTorch's bf16
+    matmuls are emulated, many times slower than float32's (25x, AVX2-only AMD EPYC, bench
+    section 4). None where it cannot tell (no /proc/cpuinfo: macOS, Windows)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return None
+    flags = set()
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    if not flags:
+        return None
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 # config.yaml's keys for Liger Kernel (Axolotl's names; the built-in trainer reads them too)
