@@ -144,8 +144,9 @@ def use(model) -> bool:
     them) keeps sdpa."""
     config = model.config
     can_set = getattr(type(model), "_can_set_attn_implementation", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa" or can_set is None or not can_set():
+    switch = getattr(model, "set_attn_implementation", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa" or None in (can_set, switch) or not can_set():
         return False
     register()
-    model.set_attn_implementation(NAME)
+    switch(NAME)
     return config._attn_implementation == NAME
