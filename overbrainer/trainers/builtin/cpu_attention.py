@@ -26,7 +26,7 @@ LONGEST = 512
 # sdpa's CPU flash kernel reads fewer key heads than query heads (GQA) only since pytorch
 # PR 157893 (July 2025, in 2.10 at the latest); an older one reads past the key heads, so its
 # forward gets the key and value heads repeated for every query head (the backward never)
-KEY_HEADS_SHARED = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 10)
+KEY_HEADS_SHARED = torch.__version__ >= "2.10"  # TorchVersion: compared as a version, not text
 
 
 class CausalAttention(torch.autograd.Function):
