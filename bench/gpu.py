@@ -101,6 +101,11 @@ def random_model(shape: str) -> Path:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     tmp.rename(folder)
+    del model
+    if torch.cuda.is_available():
+        # this process's caching allocator would keep what the model held (~10 GB for the
+        # 1.7B shape: float32, then bf16) reserved while the contenders train in their own
+        torch.cuda.empty_cache()
     return folder
 
 
@@ -155,7 +160,9 @@ def set_contender(run: Path, cfg: dict, liger: bool, processes: int = 0, compile
     import yaml
 
     cfg = dict(cfg)
-    cfg.pop("liger", None)  # train.liger "auto" (the default): each contender says on or off itself
+    # each contender says on or off itself: `liger` false is train.liger false (all the keys
+    # false and no `liger` would be train.liger "auto", which is on for a LoRA on CUDA)
+    cfg["liger"] = liger
     for key in ("liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy"):
         cfg[key] = liger
     cfg["torch_compile"] = compile
@@ -200,6 +207,9 @@ def matmul_peak(device: str) -> float:
         for _ in range(reps):
             a @ b
         seconds = time.perf_counter() - t
+    del a, b
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # nothing of it held while the contenders train
     return 2 * n**3 * reps / seconds
 
 
@@ -233,7 +243,7 @@ def worker_trl(run: Path, mode: str, device: str, result: Path) -> None:
     for key, value in (cfg.get("special_tokens") or {}).items():
         setattr(tokenizer, key, value)
     cuda = device.startswith("cuda")
-    bf16 = cuda and torch.cuda.is_bf16_supported()
+    bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
     lora = cfg.get("adapter") == "lora"
     torch.manual_seed(cfg["seed"])
     # a LoRA's frozen base in bf16 (as TRL users load it); a full fine-tune's weights in

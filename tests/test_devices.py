@@ -362,6 +362,25 @@ def test_out_of_memory_is_one_line_with_the_step_the_peak_and_what_to_lower():
     assert "train.micro_batch_size" in message and "train.gradient_checkpointing" in message
 
 
+def test_out_of_memory_anywhere_in_a_step_is_that_line():
+    """Not only the forward and backward: the optimizer's first step (its moments are
+    allocated then), evaluation, samples and a save run out of memory in one line too,
+    naming what was running; any other error goes through as it is."""
+    import torch
+
+    from overbrainer.trainers.builtin.loop import OOM_EXIT, GiveUp, memory_errors_told
+
+    t = SimpleNamespace(device=torch.device("cpu"), saved_step=6, step=7, cfg={"max_steps": 8})
+    with pytest.raises(GiveUp) as e, memory_errors_told(t):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert e.value.code == OOM_EXIT and "out of GPU memory at step 8 of 8" in str(e.value)
+    with pytest.raises(GiveUp) as e, memory_errors_told(t, 7, "evaluating"):
+        raise RuntimeError("MPS backend out of memory (MPS allocated: 17.00 GB)")
+    assert "out of GPU memory evaluating at step 7 of 8" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(RuntimeError, match="mat1 and mat2"), memory_errors_told(t, 7, "saving"):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+
 def test_a_cpu_without_bf16_instructions_is_told_apart():
     """cpu_has_bf16 reads /proc/cpuinfo's flags: AVX512-BF16 or AMX on x86, BF16 on Arm; an
     AVX2-only CPU (where bf16 matmuls were 25x slower than float32's) is False, and a

@@ -117,6 +117,23 @@ def test_sharded_resume_is_exact_and_takes_another_world_size(references, tmp_pa
     assert json.loads((one / "checkpoints/step-000008/meta.json").read_text())["world_size"] == 1
 
 
+def test_a_sharded_run_takes_the_samples_ddp_takes(references):
+    """Samples under FSDP2: every rank generates through the root (each layer's weights are
+    gathered by all), in step; rank 0 writes. The same answers as DDP's at every sampled
+    step, and training is untouched (the same weights: the same losses, bit for bit)."""
+    settings = {"every": 4, "max_new_tokens": 6, "prompts": ["Hello?", "Name a colour."]}
+    ddp = references.folder(lora_dropout=0.0, processes=2, samples=settings)
+    sharded = references.folder(lora_dropout=0.0, processes=2, shard=True, samples=settings)
+
+    def samples(folder: Path) -> list[dict]:
+        return [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
+
+    assert [line["step"] for line in samples(sharded)] == [0, 4, 8]
+    assert samples(sharded) == samples(ddp)
+    assert [{k: v for k, v in m.items() if k != "seconds"} for m in metric_lines(sharded)] == \
+        [{k: v for k, v in m.items() if k != "seconds"} for m in metric_lines(ddp)]
+
+
 def test_sharded_alone_is_one_process_bit_for_bit(references, tmp_path):
     """FSDP2 in a world of one (the trainer on a config with shard: true; the plan refuses
     it, and it is what a one-GPU box can test): DTensor slices, the gathered checkpoint

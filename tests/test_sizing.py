@@ -9,7 +9,7 @@ import pytest
 from helpers import bake_json, cli, configured
 
 from overbrainer.errors import OverbrainerError
-from overbrainer.inputs.sizing import GiB, estimate, fit, model_shape
+from overbrainer.inputs.sizing import GiB, cuda_gpu, estimate, fit, model_shape
 
 
 @pytest.fixture
@@ -40,6 +40,26 @@ def test_fit_refuses_in_one_line_with_the_numbers(shape):
             sequence_len=4096, device="cpu", total_memory=GiB // 4)
     message = str(e.value)
     assert "\n" not in message and "GiB" in message and "sequence_len" in message
+
+
+def test_the_gpu_sized_is_the_one_torch_numbers():
+    """nvidia-smi lists GPUs in bus order; CUDA numbers them fastest first unless
+    CUDA_DEVICE_ORDER=PCI_BUS_ID, and only those CUDA_VISIBLE_DEVICES names (by number in
+    that order, or by UUID), from 0: cuda:N is sized against that GPU's free memory."""
+    gpus = [{"index": "0", "uuid": "GPU-aaaa-0", "free": 10 * GiB, "cap": 7.5},   # a T4 on bus 0
+            {"index": "1", "uuid": "GPU-bbbb-1", "free": 70 * GiB, "cap": 9.0},   # an H100 on bus 1
+            {"index": "2", "uuid": "GPU-cccc-2", "free": 40 * GiB, "cap": 8.0}]
+    def free(index, **env):
+        gpu = cuda_gpu(index, env=env, gpus=gpus)
+        return gpu and gpu["free"] // GiB
+    assert [free(i) for i in range(4)] == [70, 40, 10, None]  # fastest first
+    assert [free(i, CUDA_DEVICE_ORDER="PCI_BUS_ID") for i in range(3)] == [10, 70, 40]
+    assert [free(i, CUDA_VISIBLE_DEVICES="2,0") for i in range(3)] == [10, 70, None]
+    assert [free(i, CUDA_VISIBLE_DEVICES="2,0", CUDA_DEVICE_ORDER="PCI_BUS_ID") for i in range(2)] == [40, 10]
+    assert free(0, CUDA_VISIBLE_DEVICES="GPU-cccc") == 40  # a UUID's prefix, as CUDA takes it
+    assert free(1, CUDA_VISIBLE_DEVICES="1,MIG-0a1b,0") is None  # CUDA stops at what it cannot read
+    assert free(0, CUDA_VISIBLE_DEVICES="") is None  # no GPU visible
+    assert cuda_gpu(0, env={}, gpus=[]) is None
 
 
 def test_estimate_is_close_to_the_measured_peak(project):

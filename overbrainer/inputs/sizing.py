@@ -136,20 +136,60 @@ def model_shape(folder: str | Path) -> Shape:
     )
 
 
-def _nvidia_free(index: int) -> int | None:
-    """Free bytes on GPU `index`, from nvidia-smi (None when it cannot tell)."""
+def _nvidia_gpus() -> list[dict] | None:
+    """The GPUs nvidia-smi sees, in its order (PCI bus): index, uuid, free bytes, compute
+    capability (None from a driver too old to say). None when there is no nvidia-smi."""
     if not shutil.which("nvidia-smi"):
         return None
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", f"--id={index}"],
-            capture_output=True, text=True, timeout=10,
-        )
-        if out.returncode == 0 and out.stdout.strip():
-            return int(out.stdout.split()[0]) * 1024 * 1024
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        pass
+    for fields in ("index,uuid,memory.free,compute_cap", "index,uuid,memory.free"):
+        try:
+            out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if out.returncode != 0 or not out.stdout.strip():
+            continue
+        gpus = []
+        try:
+            for line in out.stdout.strip().splitlines():
+                cells = [c.strip() for c in line.split(",")]
+                cap = float(cells[3]) if len(cells) > 3 else None
+                gpus.append({"index": cells[0], "uuid": cells[1], "free": int(cells[2]) * 1024 * 1024, "cap": cap})
+        except (ValueError, IndexError):
+            continue
+        return gpus
     return None
+
+
+def cuda_gpu(index: int, env: dict | None = None, gpus: list[dict] | None = None) -> dict | None:
+    """The GPU torch numbers `index` (``cuda:N``), as nvidia-smi describes it. CUDA numbers
+    the GPUs fastest first unless CUDA_DEVICE_ORDER is PCI_BUS_ID (nvidia-smi's order), and
+    only those CUDA_VISIBLE_DEVICES names (by number in that order, or by UUID), from 0.
+    None where that cannot be told (no nvidia-smi, a MIG slice, an index past the end)."""
+    import os
+
+    env = os.environ if env is None else env
+    gpus = _nvidia_gpus() if gpus is None else gpus
+    if not gpus:
+        return None
+    if env.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+        # FASTEST_FIRST, CUDA's default: by compute capability, ties in bus order (sorted is stable)
+        gpus = sorted(gpus, key=lambda g: -(g["cap"] or 0))
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        chosen = []
+        for entry in (e.strip() for e in visible.split(",")):
+            if entry.isdigit() and int(entry) < len(gpus):
+                chosen.append(gpus[int(entry)])
+            elif entry.startswith("GPU-"):
+                found = [g for g in gpus if g["uuid"].startswith(entry)]
+                if len(found) != 1:
+                    break
+                chosen.append(found[0])
+            else:
+                break  # CUDA stops at the first entry it cannot read (a MIG slice: not ours to size)
+        gpus = chosen
+    return gpus[index] if index < len(gpus) else None
 
 
 def device_memory(device: str = "auto") -> tuple[str, int]:
@@ -157,10 +197,9 @@ def device_memory(device: str = "auto") -> tuple[str, int]:
     memory when it is CUDA ("auto" and nvidia-smi sees one, or "cuda", "cuda:N"), else
     the machine's available RAM (CPU, and Apple mps, whose memory is the machine's)."""
     if device == "auto" or device.startswith("cuda"):
-        index = int(device.split(":")[1]) if ":" in device else 0
-        free = _nvidia_free(index)
-        if free is not None:
-            return "cuda", free
+        gpu = cuda_gpu(int(device.split(":")[1]) if ":" in device else 0)
+        if gpu is not None:
+            return "cuda", gpu["free"]
     import psutil
 
     return ("mps" if device == "mps" else "cpu"), psutil.virtual_memory().available
@@ -233,6 +272,10 @@ def fit(shape: Shape, *, lora: bool, lora_r: int, targets: list[str], micro_batc
         device, total_memory = device_memory(device_setting)
         if device != "cuda" and processes > 1:
             total_memory //= processes
+        if device == "cuda" and bf16 == "auto":
+            # "auto" is bf16 where the GPU has it natively: compute capability 8.0 and newer
+            gpu = cuda_gpu(int(device_setting.split(":")[1]) if ":" in device_setting else 0)
+            bf16 = gpu is None or gpu["cap"] is None or gpu["cap"] >= 8.0
     per_step = micro_batch_size * gradient_accumulation_steps
     mbs = micro_batch_size
     while True:

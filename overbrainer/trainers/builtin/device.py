@@ -112,7 +112,22 @@ def use_bf16(setting, device: torch.device) -> bool:
     without them the trainer says it will be slow, `cpu_has_bf16`)."""
     if setting != "auto":
         return bool(setting)
-    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return device.type == "cuda" and cuda_has_bf16()
+
+
+def cuda_has_bf16() -> bool:
+    """Whether the current GPU computes bf16 natively (Ampere, compute capability 8.0, and
+    newer). torch's `is_bf16_supported()` says yes to a Turing or Volta GPU too, where bf16
+    is emulated (slower than float32) and Triton's bf16 kernels do not compile."""
+    try:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # a torch before 2.3 had no emulation to leave out
+        return torch.cuda.is_bf16_supported()
+
+
+def sum_dtype(device: torch.device) -> torch.dtype:
+    """A step's running loss sums in float64, but on Apple's mps, which has none."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def cpu_has_bf16(cpuinfo: str | None = None) -> bool | None:
@@ -151,6 +166,8 @@ def use_liger(device: torch.device, cfg: dict, processes: int = 1, deterministic
     if device.type != "cuda" or cfg.get("adapter") != "lora" or processes > 1 or cfg.get("shard"):
         return False
     if cfg.get("torch_compile") or deterministic:
+        return False
+    if torch.cuda.get_device_capability(device) < (8, 0):  # Liger's bf16 kernels need sm_80
         return False
     try:
         import liger_kernel.transformers  # noqa: F401
@@ -238,5 +255,6 @@ def peak_memory(device: torch.device) -> int:
 
 def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, torch.cuda.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and "out of memory" in str(error) and "CUDA" in str(error)
+        isinstance(error, RuntimeError) and "out of memory" in str(error)
+        and ("CUDA" in str(error) or "MPS" in str(error))  # mps says "MPS backend out of memory"
     )

@@ -16,6 +16,7 @@ import os
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from ..dist import World
 from ..examples import Example, Order, collate, load_examples, micro_batches
 from ..samples import answer, is_sample_step, prompt_text
 from . import device as hw
-from .model import Decoder, TokenLoss, decoder_layers, load_model, load_weights
+from .model import Decoder, TokenLoss, decoder_layers, load_model, load_weights, logit_transform
 
 STOP_EXIT = 0  # a stop on request is a success: the stopped marker says it was not the end
 OOM_EXIT = 5
@@ -143,7 +144,11 @@ def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = 
         if world.main:
             print("lm_head carries a LoRA adapter: its loss is not fused (Liger's fused loss cannot take an "
                   "adapter)", flush=True)
-    loss = TokenLoss(fused=fused_loss)
+    transform = logit_transform(model)
+    if fused_loss and transform["scale"] != 1.0 and getattr(model.get_output_embeddings(), "bias", None) is not None:
+        # a scale goes onto the hidden states of Liger's fused loss, which a bias would not follow
+        cfg["liger_fused_linear_cross_entropy"] = fused_loss = False
+    loss = TokenLoss(fused=fused_loss, **transform)
     decoder = world.wrap(Decoder(model, loss), device, layers=decoder_layers(model), bf16=bf16)
     # after the wrap: sharded, the parameters are this rank's slices (DTensors)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -196,6 +201,10 @@ def resume(t: Training, step: int, folder: Path, meta: dict) -> None:
         t.world.load_optimizer(t.decoder, t.optimizer, state["optimizer"])
     else:
         t.optimizer.load_state_dict(state["optimizer"])
+    # the saved groups carry the saving device's choice of kernel (fused AdamW on a GPU, the
+    # per-parameter one on the CPU): this device's own, as `setup` chose it
+    for group in t.optimizer.param_groups:
+        group["fused"] = t.optimizer.defaults.get("fused")
     t.scheduler.load_state_dict(state["scheduler"])
     # the next step's learning rate from this run's schedule, not the one saved: a checkpoint
     # of the stable phase may come from a run of another length (the train step's
@@ -250,7 +259,7 @@ def train_step(t: Training, batch: list[Example]) -> tuple[float, int]:
     DDP all-reduces (averaging: hence `world.scale`) after the last micro-batch only."""
     loss_tokens = sum(e.loss_tokens for e in batch)
     mine = t.world.mine(micro_batches(batch, t.cfg["micro_batch_size"]))
-    step_loss = torch.zeros((), dtype=torch.float64, device=t.device)
+    step_loss = torch.zeros((), dtype=hw.sum_dtype(t.device), device=t.device)
     step_tokens = 0
     for i, micro in enumerate(mine):
         inputs = hw.to_device(collate(micro, t.pad_id), t.device)
@@ -270,7 +279,7 @@ def evaluate(t: Training) -> float | None:
         return None
     decoder = getattr(t.decoder, "module", t.decoder)  # no gradients: no DDP (FSDP2 gathers: its own)
     t.model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    total = torch.zeros((), dtype=hw.sum_dtype(t.device), device=t.device)
     count = 0
     mine, counted = t.world.even(micro_batches(t.val_set, t.cfg["micro_batch_size"]))
     for micro in mine[:counted]:
@@ -289,21 +298,40 @@ def take_samples(t: Training, path: Path) -> float:
     """Append the greedy answers of the weights as they are to samples.jsonl (rank 0; the
     others go on to the next step's all-reduce and wait there); the seconds it took.
 
+    Sharded, every rank generates (each layer's weights are gathered by all of them), in
+    step: through the FSDP2 root (`Generating`), with transformers' `synced_gpus`, so that
+    a rank done early keeps joining the gathers of the others' forwards; rank 0 writes.
+
     The RNG state is put back afterwards, so a run that samples trains the same weights as
     one that does not, and a resume takes the same samples again."""
-    if not t.world.main:
+    if not (t.world.main or t.world.shard):
         return 0.0
     settings, began = t.cfg["samples"], time.monotonic()
+    model = Generating(t.decoder, t.device, synced=t.world.size > 1) if t.world.shard else t.model
     t.model.eval()
     with torch.random.fork_rng(devices=[t.device] if t.device.type == "cuda" else []):
         with hw.compute(t.bf16, t.device):
             rows = [{"prompt": prompt_text(messages),
-                     "answer": answer(t.model, t.tokenizer, messages, settings["max_new_tokens"])}
+                     "answer": answer(model, t.tokenizer, messages, settings["max_new_tokens"])}
                     for messages in settings["prompts"]]
     t.model.train()
-    with open(path, "a") as f:
-        f.write(json.dumps({"step": t.step, "samples": rows}) + "\n")
+    if t.world.main:
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": t.step, "samples": rows}) + "\n")
     return time.monotonic() - began
+
+
+@dataclass
+class Generating:
+    """A sharded model as `samples.complete` calls it: `generate` through the FSDP2 root's
+    forward (`Decoder.forward`), whose hooks gather the weights outside the layers."""
+
+    decoder: torch.nn.Module
+    device: torch.device
+    synced: bool
+
+    def generate(self, **kwargs):
+        return self.decoder(generate={**kwargs, "synced_gpus": self.synced})
 
 
 def save(t: Training, k: int) -> None:
@@ -367,16 +395,33 @@ def save(t: Training, k: int) -> None:
     t.world.barrier()
 
 
-def out_of_memory(t: Training) -> GiveUp:
-    """A CUDA out-of-memory error as one line: the step, the peak, what to lower."""
+def out_of_memory(t: Training, step: int | None = None, doing: str = "") -> GiveUp:
+    """A CUDA out-of-memory error as one line: the step (and what it was `doing` besides
+    training: evaluating, sampling, saving), the peak, what to lower."""
+    step = t.step + 1 if step is None else step
     peak = hw.peak_memory(t.device) / 2**30
     total = torch.cuda.get_device_properties(t.device).total_memory / 2**30 if t.device.type == "cuda" else 0
     kept = f"step-{t.saved_step:06d} is intact" if t.saved_step else "no checkpoint yet"
     fix = "lower train.micro_batch_size (raising gradient_accumulation_steps) or train.sequence_len (a new run)"
     if not t.cfg.get("gradient_checkpointing"):
         fix = "set train.gradient_checkpointing and bake again to resume, or " + fix
-    return GiveUp(f"out of GPU memory at step {t.step + 1} of {t.cfg['max_steps']} (peak {peak:.1f} GiB of "
+    where = f"{doing} at step {step}" if doing else f"at step {step}"
+    return GiveUp(f"out of GPU memory {where} of {t.cfg['max_steps']} (peak {peak:.1f} GiB of "
                   f"{total:.1f} GiB on {t.device}; {kept}); {fix}", OOM_EXIT)
+
+
+@contextmanager
+def memory_errors_told(t: Training, step: int | None = None, doing: str = ""):
+    """Around everything the loop does on the device (a step's forward and backward, the
+    optimizer's first step, which allocates its moments, evaluation, samples, the gathers of
+    a sharded save): an out-of-memory error ends the run in one line (`out_of_memory`); the
+    checkpoints on disk are whole (each is renamed into place only when written)."""
+    try:
+        yield
+    except RuntimeError as e:  # torch.OutOfMemoryError is one
+        if hw.is_out_of_memory(e):
+            raise out_of_memory(t, step, doing) from None
+        raise
 
 
 # -- the loop ----------------------------------------------------------------------------
@@ -423,12 +468,14 @@ def train(config_path: Path, device: str = "auto", deterministic: bool = False) 
     hw.reset_peak(t.device)
     started = time.monotonic() - t.seconds
     if samples and t.step == 0:
-        started += take_samples(t, folder.samples)  # what the base answers, to compare with
+        with memory_errors_told(t, 0, "taking samples"):
+            started += take_samples(t, folder.samples)  # what the base answers, to compare with
     while t.step < max_steps:
         # a stop asked by `overbrainer stop`: save where we are, say so, end
         if world.agree(stop_request.exists()):
             if t.saved_step != t.step:
-                save(t, t.step)
+                with memory_errors_told(t, t.step, "saving"):
+                    save(t, t.step)
             if world.main:
                 stopped_marker.write_text(json.dumps({"step": t.step, "steps": max_steps}))
             t.say(f"stopped at step {t.step} on request")
@@ -440,18 +487,13 @@ def train(config_path: Path, device: str = "auto", deterministic: bool = False) 
         phase = phase_of(t.step, warmup, stable)
         batch = [t.train_set[i] for i in t.order.step(t.step)]
 
-        # micro-steps: forward and backward of each micro-batch, gradients summed
-        try:
+        with memory_errors_told(t):
+            # micro-steps: forward and backward of each micro-batch, gradients summed
             step_loss, step_tokens = train_step(t, batch)
-        except RuntimeError as e:
-            if hw.is_out_of_memory(e):
-                raise out_of_memory(t) from None
-            raise
+            # clip, step, zero_grad: the update, then the gradients' memory given back
+            torch.nn.utils.clip_grad_norm_(t.params, cfg["max_grad_norm"])
+            t.optimizer.step()
         t.tokens += step_tokens
-
-        # clip, step, zero_grad: the update, then the gradients' memory given back
-        torch.nn.utils.clip_grad_norm_(t.params, cfg["max_grad_norm"])
-        t.optimizer.step()
         t.scheduler.step()
         t.optimizer.zero_grad(set_to_none=True)
         t.step += 1
@@ -460,7 +502,8 @@ def train(config_path: Path, device: str = "auto", deterministic: bool = False) 
         # eval, after the update: the validation loss of the weights this step made
         line = {"step": t.step, "tokens": t.tokens, "loss": round(step_loss, 6), "lr": lr}
         if t.step % eval_every == 0 or t.step == max_steps:
-            value = evaluate(t)
+            with memory_errors_told(t, t.step, "evaluating"):
+                value = evaluate(t)
             line["eval_loss"] = round(value, 6) if value is not None else None
             t.last["eval_loss"], t.last["eval_step"] = line["eval_loss"], t.step
         t.seconds = time.monotonic() - started
@@ -473,7 +516,8 @@ def train(config_path: Path, device: str = "auto", deterministic: bool = False) 
         # samples, before the step's metrics line: the bake, which follows that file, finds a
         # step's samples there once it reads the step (their time is not training time)
         if samples and is_sample_step(t.step, samples["every"], max_steps):
-            started += take_samples(t, folder.samples)
+            with memory_errors_told(t, t.step, "taking samples"):
+                started += take_samples(t, folder.samples)
 
         # log: one metrics line a step (the bake follows the file), and the console
         if world.main:
@@ -487,7 +531,8 @@ def train(config_path: Path, device: str = "auto", deterministic: bool = False) 
 
         # checkpoint, last: a kill anywhere above loses at most this step
         if t.step % save_every == 0 or t.step == max_steps or t.step in save_at:
-            save(t, t.step)
+            with memory_errors_told(t, t.step, "saving"):
+                save(t, t.step)
 
     world.close()
     return 0

@@ -133,14 +133,17 @@ class TokenLoss:
     after it), so the attention mask is dropped (`mask=False`, on every device): exact on
     every position that has a label, and sdpa takes its flash kernel, which takes no mask
     (on 2 CPU cores, SmolLM2-135M in bf16: 3-8 % less time a step, the same losses).
+
+    The logits are those the model's own forward computes: scaled and soft-capped as its
+    family does (`logit_transform`).
     """
 
-    def __init__(self, fused: bool = False, mask: bool = False):
-        self.fused, self.mask = fused, mask
+    def __init__(self, fused: bool = False, mask: bool = False, scale: float = 1.0, softcap: float | None = None):
+        self.fused, self.mask, self.scale, self.softcap = fused, mask, scale, softcap
         if fused:
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-            self.flce = LigerFusedLinearCrossEntropyLoss(reduction="sum", accum_dtype=torch.float32)
+            self.flce = LigerFusedLinearCrossEntropyLoss(reduction="sum", accum_dtype=torch.float32, softcap=softcap)
 
     def __call__(self, decoder, inputs: dict) -> torch.Tensor:
         """`decoder`: a `Decoder`, or the DDP or FSDP2 module around one."""
@@ -152,12 +155,37 @@ class TokenLoss:
         where = targets != IGNORE
         kept = hidden[:, :-1][where]
         if self.fused:
-            # Liger's kernel is an autograd function autocast does not reach: the weight in
-            # the hidden states' dtype (bf16 under autocast), as autocast would cast it
+            # the weight in the hidden states' dtype (bf16 under autocast), as autocast would
+            # cast it; a scale (no bias: `logit_transform`) goes onto the hidden states
             weight = head.weight if head.weight.dtype == kept.dtype else head.weight.to(kept.dtype)
             bias = head.bias if head.bias is None or head.bias.dtype == kept.dtype else head.bias.to(kept.dtype)
-            return self.flce(weight, kept, targets[where], bias)
-        return F.cross_entropy(head(kept).float(), targets[where], reduction="sum")
+            return self.flce(weight, kept if self.scale == 1.0 else kept * self.scale, targets[where], bias)
+        logits = head(kept)
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return F.cross_entropy(logits.float(), targets[where], reduction="sum")
+
+
+def logit_transform(model) -> dict:
+    """What the model's own forward does to the output layer's result before its loss, as
+    `TokenLoss` arguments: Gemma 2 (and its kin) soft-cap the logits, Cohere multiplies them
+    by `logit_scale`, Granite divides them by `logits_scaling`, Falcon-H1 multiplies them by
+    `lm_head_multiplier`. Without it the trainer would fit a model other than the one it
+    saves (tests/test_devices.py checks every tiny family against the model's own loss)."""
+    inner = transformers_model(model)
+    config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
+    scale = 1.0
+    if getattr(inner, "logit_scale", None) is not None and not isinstance(inner.logit_scale, torch.nn.Parameter):
+        scale *= float(inner.logit_scale)  # Cohere's CausalLM keeps config.logit_scale
+    if getattr(config, "logits_scaling", None):
+        scale /= float(config.logits_scaling)  # Granite
+    multiplier = getattr(getattr(inner, "model", None), "lm_head_multiplier", None)
+    if multiplier is not None:
+        scale *= float(multiplier)  # Falcon-H1
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return {"scale": scale, "softcap": float(softcap) if softcap else None}
 
 
 def transformers_model(model):
@@ -175,9 +203,14 @@ class Decoder(torch.nn.Module):
         super().__init__()
         self.model = model  # the PEFT model or the plain one: what is saved and merged
         self.head = transformers_model(model).get_output_embeddings()
-        self.token_loss = loss or TokenLoss()
+        self.token_loss = loss or TokenLoss(**logit_transform(model))
 
-    def forward(self, input_ids, attention_mask=None, labels=None):
+    def forward(self, input_ids=None, attention_mask=None, labels=None, generate: dict | None = None):
+        """The summed loss; or, given `generate` (`generate()`'s arguments), the model's
+        generation, run inside the wrapper's hooks: sharded, FSDP2 gathers the root's
+        weights (embeddings, final norm, output layer) for it as for a training forward."""
+        if generate is not None:
+            return self.model.generate(**generate)
         decoder = transformers_model(self.model).get_decoder()
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         return self.token_loss.of(hidden, self.head, labels)
