@@ -154,3 +154,27 @@ def test_sharded_bake_killed_resumes_exactly(project, tmp_path, references):
     assert "resuming from step-000003" in (runs / "tiny" / "log.txt").read_text()
     assert again["state"] == "done"
     assert final(runs / "tiny") == final(whole)
+
+
+def test_a_gpu_checkpoint_resumes_with_this_devices_optimizer_kernel(references, tmp_path):
+    """A checkpoint's optimizer groups say which AdamW kernel made them (fused on a GPU):
+    resumed on the CPU it takes the CPU's own (as `setup` picks it), set before the state
+    is loaded (the load places each step count by that flag). Here a CPU checkpoint marked
+    as a GPU would mark it resumes to the uninterrupted run's bits."""
+    import torch
+
+    from overbrainer.hashing import hash_file
+
+    reference = references.folder(lora_dropout=0.0)
+    run = copy_run(reference, tmp_path / "run", ("step-000003",))
+    folder = run / "checkpoints" / "step-000003"
+    state = torch.load(folder / "trainer_state.pt", weights_only=True)
+    assert all(group.get("fused") is None for group in state["optimizer"]["param_groups"])
+    for group in state["optimizer"]["param_groups"]:
+        group["fused"] = True  # what a CUDA run's fused AdamW writes
+    torch.save(state, folder / "trainer_state.pt")
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["files"]["trainer_state.pt"] = hash_file(folder / "trainer_state.pt")
+    (folder / "meta.json").write_text(json.dumps(meta))
+    assert "resuming from step-000003" in run_trainer(run)
+    assert final(run) == final(reference)

@@ -31,6 +31,7 @@ headers), never the weights.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -166,8 +167,6 @@ def cuda_gpu(index: int, env: dict | None = None, gpus: list[dict] | None = None
     the GPUs fastest first unless CUDA_DEVICE_ORDER is PCI_BUS_ID (nvidia-smi's order), and
     only those CUDA_VISIBLE_DEVICES names (by number in that order, or by UUID), from 0.
     None where that cannot be told (no nvidia-smi, a MIG slice, an index past the end)."""
-    import os
-
     env = os.environ if env is None else env
     gpus = _nvidia_gpus() if gpus is None else gpus
     if not gpus:
@@ -187,7 +186,7 @@ def cuda_gpu(index: int, env: dict | None = None, gpus: list[dict] | None = None
                     break
                 chosen.append(found[0])
             else:
-                break  # CUDA stops at the first entry it cannot read (a MIG slice: not ours to size)
+                break  # a MIG slice (not in nvidia-smi's list), or an entry CUDA stops at
         gpus = chosen
     return gpus[index] if index < len(gpus) else None
 
@@ -197,7 +196,13 @@ def device_memory(device: str = "auto") -> tuple[str, int]:
     memory when it is CUDA ("auto" and nvidia-smi sees one, or "cuda", "cuda:N"), else
     the machine's available RAM (CPU, and Apple mps, whose memory is the machine's)."""
     if device == "auto" or device.startswith("cuda"):
-        gpu = cuda_gpu(int(device.split(":")[1]) if ":" in device else 0)
+        index = int(device.split(":")[1]) if ":" in device else 0
+        gpu = cuda_gpu(index)
+        if gpu is None and "MIG-" in os.environ.get("CUDA_VISIBLE_DEVICES", ""):
+            # a MIG slice: nvidia-smi lists no free memory of slices; its GPU's N-th, at least
+            # a GPU's (host memory would size a GPU run against RAM)
+            gpus = _nvidia_gpus() or []
+            gpu = gpus[index] if index < len(gpus) else None
         if gpu is not None:
             return "cuda", gpu["free"]
     import psutil

@@ -249,8 +249,10 @@ def peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     import resource
+    import sys
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # ru_maxrss is in kilobytes on Linux, in bytes on macOS (where mps runs)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def is_out_of_memory(error: BaseException) -> bool:

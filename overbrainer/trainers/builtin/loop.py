@@ -148,6 +148,13 @@ def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = 
     if fused_loss and transform["scale"] != 1.0 and getattr(model.get_output_embeddings(), "bias", None) is not None:
         # a scale goes onto the hidden states of Liger's fused loss, which a bias would not follow
         cfg["liger_fused_linear_cross_entropy"] = fused_loss = False
+    if not TokenLoss(**transform).matches_the_model(model):
+        # a family that does something of its own to the logits: its forward's, at every position
+        transform["whole"] = True
+        cfg["liger_fused_linear_cross_entropy"] = fused_loss = False
+        if world.main:
+            print(f"{model.config.model_type}: its forward does something to the logits the trainer does not know "
+                  "of: the loss is taken from the model's own logits, at every position (slower)", flush=True)
     loss = TokenLoss(fused=fused_loss, **transform)
     decoder = world.wrap(Decoder(model, loss), device, layers=decoder_layers(model), bf16=bf16)
     # after the wrap: sharded, the parameters are this rank's slices (DTensors)
@@ -197,14 +204,15 @@ def resume(t: Training, step: int, folder: Path, meta: dict) -> None:
     """Take up a checkpoint's optimizer (its state mapped onto this run's device, whatever
     device saved it), schedule, RNG and counters; its weights are in the model already."""
     state = ckpt.load_state(folder)  # on the CPU: optimizer.load_state_dict moves it to the params
+    # the saved groups carry the saving device's AdamW kernel (fused on a GPU, per parameter
+    # on the CPU): this device's own instead, set before loading, since the load places each
+    # step count by it (on the parameter's device for the fused kernel, which needs it there)
+    for group in state["optimizer"].get("param_groups", []):
+        group["fused"] = t.optimizer.defaults.get("fused")
     if t.world.shard:
         t.world.load_optimizer(t.decoder, t.optimizer, state["optimizer"])
     else:
         t.optimizer.load_state_dict(state["optimizer"])
-    # the saved groups carry the saving device's choice of kernel (fused AdamW on a GPU, the
-    # per-parameter one on the CPU): this device's own, as `setup` chose it
-    for group in t.optimizer.param_groups:
-        group["fused"] = t.optimizer.defaults.get("fused")
     t.scheduler.load_state_dict(state["scheduler"])
     # the next step's learning rate from this run's schedule, not the one saved: a checkpoint
     # of the stable phase may come from a run of another length (the train step's

@@ -8,6 +8,7 @@ the loop normalizes.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -135,12 +136,15 @@ class TokenLoss:
     (on 2 CPU cores, SmolLM2-135M in bf16: 3-8 % less time a step, the same losses).
 
     The logits are those the model's own forward computes: scaled and soft-capped as its
-    family does (`logit_transform`).
+    family does (`logit_transform`), which `matches_the_model` checks at the start of every
+    run; a model whose forward does something else to them (`whole`) has its loss taken
+    from its own forward's logits, at every position (slower, always right).
     """
 
-    def __init__(self, fused: bool = False, mask: bool = False, scale: float = 1.0, softcap: float | None = None):
-        self.fused, self.mask, self.scale, self.softcap = fused, mask, scale, softcap
-        if fused:
+    def __init__(self, fused: bool = False, mask: bool = False, scale: float = 1.0, softcap: float | None = None,
+                 whole: bool = False):
+        self.fused, self.mask, self.scale, self.softcap, self.whole = fused and not whole, mask, scale, softcap, whole
+        if self.fused:
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
             self.flce = LigerFusedLinearCrossEntropyLoss(reduction="sum", accum_dtype=torch.float32, softcap=softcap)
@@ -160,31 +164,66 @@ class TokenLoss:
             weight = head.weight if head.weight.dtype == kept.dtype else head.weight.to(kept.dtype)
             bias = head.bias if head.bias is None or head.bias.dtype == kept.dtype else head.bias.to(kept.dtype)
             return self.flce(weight, kept if self.scale == 1.0 else kept * self.scale, targets[where], bias)
-        logits = head(kept)
+        return F.cross_entropy(self.logits(head(kept)), targets[where], reduction="sum")
+
+    def logits(self, raw: torch.Tensor) -> torch.Tensor:
+        """The output layer's result as the model's forward turns it into logits, in float32
+        (as Liger's fused loss computes them)."""
+        logits = raw.float()
         if self.scale != 1.0:
             logits = logits * self.scale
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return F.cross_entropy(logits.float(), targets[where], reduction="sum")
+        return logits
+
+    def of_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """`whole`: the model's own logits at every position, the loss where there are labels."""
+        targets = labels[:, 1:]
+        where = targets != IGNORE
+        return F.cross_entropy(logits[:, :-1][where].float(), targets[where], reduction="sum")
+
+    def matches_the_model(self, model) -> bool:
+        """Whether these logits are the model's own: a few tokens through the decoder and
+        the output layer here, and through the model's forward (both in the weights' dtype;
+        the transform's rounding in bf16 is all the tolerance allows)."""
+        inner = transformers_model(model)
+        head = inner.get_output_embeddings()
+        weight = next(p for p in inner.parameters() if p.is_floating_point())
+        ids = (torch.arange(8, device=weight.device) * 7 + 3).remainder(head.weight.shape[0]).unsqueeze(0)
+        training = inner.training
+        inner.eval()  # no dropout: the two forwards the same
+        eager = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else nullcontext()
+        with torch.no_grad(), eager:  # compiled layers compile for training, not for this
+            hidden = inner.get_decoder()(input_ids=ids).last_hidden_state
+            ours = self.logits(head(hidden))
+            theirs = inner(input_ids=ids).logits.float()
+        inner.train(training)
+        if ours.shape != theirs.shape:
+            return False
+        tolerance = 1e-4 if weight.dtype == torch.float32 else 2e-2
+        return bool(torch.allclose(ours, theirs, rtol=tolerance, atol=tolerance * float(theirs.abs().max())))
 
 
 def logit_transform(model) -> dict:
     """What the model's own forward does to the output layer's result before its loss, as
     `TokenLoss` arguments: Gemma 2 (and its kin) soft-cap the logits, Cohere multiplies them
     by `logit_scale`, Granite divides them by `logits_scaling`, Falcon-H1 multiplies them by
-    `lm_head_multiplier`. Without it the trainer would fit a model other than the one it
-    saves (tests/test_devices.py checks every tiny family against the model's own loss)."""
+    `lm_head_multiplier`, HyperCLOVA X multiplies them by `logits_scaling`, RecurrentGemma
+    caps them at `logits_soft_cap`. Without it the trainer would fit a model other than the
+    one it saves (tests/test_loss.py checks every tiny family against the model's own loss;
+    `TokenLoss.matches_the_model` checks the model at hand)."""
     inner = transformers_model(model)
     config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
     scale = 1.0
     if getattr(inner, "logit_scale", None) is not None and not isinstance(inner.logit_scale, torch.nn.Parameter):
         scale *= float(inner.logit_scale)  # Cohere's CausalLM keeps config.logit_scale
-    if getattr(config, "logits_scaling", None):
-        scale /= float(config.logits_scaling)  # Granite
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling:  # Granite divides by it, HyperCLOVA X multiplies
+        scale = scale * float(scaling) if str(config.model_type).startswith("hyperclovax") else scale / float(scaling)
     multiplier = getattr(getattr(inner, "model", None), "lm_head_multiplier", None)
     if multiplier is not None:
         scale *= float(multiplier)  # Falcon-H1
-    softcap = getattr(config, "final_logit_softcapping", None)
+    softcap = getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_soft_cap", None)
     return {"scale": scale, "softcap": float(softcap) if softcap else None}
 
 
@@ -211,6 +250,9 @@ class Decoder(torch.nn.Module):
         weights (embeddings, final norm, output layer) for it as for a training forward."""
         if generate is not None:
             return self.model.generate(**generate)
+        if self.token_loss.whole:
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+            return self.token_loss.of_logits(logits, labels)
         decoder = transformers_model(self.model).get_decoder()
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         return self.token_loss.of(hidden, self.head, labels)
