@@ -191,20 +191,32 @@ def cuda_gpu(index: int, env: dict | None = None, gpus: list[dict] | None = None
     return gpus[index] if index < len(gpus) else None
 
 
+def _visible_gpu(device: str) -> dict | None:
+    """nvidia-smi's entry for the GPU the plan's train.device names ("auto" and "cuda" are
+    cuda:0), with one nvidia-smi call; None when it names none or nvidia-smi sees none."""
+    if not (device == "auto" or device.startswith("cuda")):
+        return None
+    index = int(device.split(":")[1]) if ":" in device else 0
+    gpus = _nvidia_gpus()
+    if not gpus:
+        return None
+    gpu = cuda_gpu(index, gpus=gpus)
+    if gpu is None and "MIG-" in os.environ.get("CUDA_VISIBLE_DEVICES", ""):
+        # a MIG slice: nvidia-smi lists no free memory of slices; its GPU's N-th, at least
+        # a GPU's (host memory would size a GPU run against RAM)
+        gpu = gpus[index] if index < len(gpus) else None
+    return gpu
+
+
 def device_memory(device: str = "auto") -> tuple[str, int]:
     """(the device the plan's train.device names, the bytes free there): a GPU's free
     memory when it is CUDA ("auto" and nvidia-smi sees one, or "cuda", "cuda:N"), else
     the machine's available RAM (CPU, and Apple mps, whose memory is the machine's)."""
-    if device == "auto" or device.startswith("cuda"):
-        index = int(device.split(":")[1]) if ":" in device else 0
-        gpu = cuda_gpu(index)
-        if gpu is None and "MIG-" in os.environ.get("CUDA_VISIBLE_DEVICES", ""):
-            # a MIG slice: nvidia-smi lists no free memory of slices; its GPU's N-th, at least
-            # a GPU's (host memory would size a GPU run against RAM)
-            gpus = _nvidia_gpus() or []
-            gpu = gpus[index] if index < len(gpus) else None
-        if gpu is not None:
-            return "cuda", gpu["free"]
+    gpu = _visible_gpu(device)
+    return ("cuda", gpu["free"]) if gpu is not None else _host_memory(device)
+
+
+def _host_memory(device: str) -> tuple[str, int]:
     import psutil
 
     return ("mps" if device == "mps" else "cpu"), psutil.virtual_memory().available
@@ -274,13 +286,16 @@ def fit(shape: Shape, *, lora: bool, lora_r: int, targets: list[str], micro_batc
     Several processes on CPU share the machine's memory (each holds the model); on CUDA
     each has its own GPU."""
     if device is None or total_memory is None:
-        device, total_memory = device_memory(device_setting)
-        if device != "cuda" and processes > 1:
-            total_memory //= processes
-        if device == "cuda" and bf16 == "auto":
-            # "auto" is bf16 where the GPU has it natively: compute capability 8.0 and newer
-            gpu = cuda_gpu(int(device_setting.split(":")[1]) if ":" in device_setting else 0)
-            bf16 = gpu is None or gpu["cap"] is None or gpu["cap"] >= 8.0
+        gpu = _visible_gpu(device_setting)
+        if gpu is not None:
+            device, total_memory = "cuda", gpu["free"]
+            if bf16 == "auto":
+                # "auto" is bf16 where the GPU has it natively: compute capability 8.0 and newer
+                bf16 = gpu["cap"] is None or gpu["cap"] >= 8.0
+        else:
+            device, total_memory = _host_memory(device_setting)
+            if processes > 1:
+                total_memory //= processes
     per_step = micro_batch_size * gradient_accumulation_steps
     mbs = micro_batch_size
     while True:
