@@ -5,6 +5,8 @@ before anything is written. What needs a GPU is in test_gpu.py."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -379,6 +381,63 @@ def test_out_of_memory_anywhere_in_a_step_is_that_line():
     assert "out of GPU memory evaluating at step 7 of 8" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(RuntimeError, match="mat1 and mat2"), memory_errors_told(t, 7, "saving"):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+
+def test_out_of_memory_on_the_cpu_and_before_the_first_step_is_one_line():
+    """The CPU allocator's refusal is the same line, naming the machine's memory, not a
+    GPU's; before the first step (loading the model, its checkpoint, the optimizer state)
+    the line says the model does not fit and what would make it, for the run's adapter."""
+    import torch
+
+    from overbrainer.trainers.builtin.loop import (
+        OOM_EXIT,
+        GiveUp,
+        memory_errors_at_start,
+        memory_errors_told,
+    )
+
+    refused = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 68719476736 bytes."
+    t = SimpleNamespace(device=torch.device("cpu"), saved_step=None, step=0, cfg={"max_steps": 8})
+    with pytest.raises(GiveUp) as e, memory_errors_told(t):
+        raise RuntimeError(refused)
+    message = str(e.value)
+    assert message.startswith("out of memory at step 1 of 8 (peak ") and "GPU" not in message
+    assert " GiB of " in message and "on cpu; no checkpoint yet)" in message and e.value.code == OOM_EXIT
+
+    full = {"adapter": None, "max_steps": 8}
+    with pytest.raises(GiveUp) as e, memory_errors_at_start(full, torch.device("cpu"), "loading the model onto cpu", 6):
+        raise RuntimeError(refused)
+    message = str(e.value)
+    assert message.startswith("out of memory loading the model onto cpu (peak ") and "step-000006 is intact" in message
+    assert 'the model does not fit: train.adapter "lora"' in message and "qlora" not in message
+    assert "a machine with more memory" in message and "\n" not in message
+
+    lora = {"adapter": "lora", "max_steps": 8}
+    with pytest.raises(GiveUp) as e, memory_errors_at_start(lora, torch.device("cpu"), "loading the model onto cpu"):
+        raise RuntimeError(refused)
+    assert "the model does not fit: a smaller base, or a machine with more memory" in str(e.value)
+    with pytest.raises(ValueError, match="not memory"), memory_errors_at_start(lora, torch.device("cpu"), "x"):
+        raise ValueError("not memory")
+
+
+def test_the_cpu_allocators_own_refusal_is_recognized(tmp_path):
+    """The text matched is torch's own: a process whose address space is capped asks for
+    more than the cap, and the error it gets is one `is_out_of_memory` knows."""
+    script = tmp_path / "refused.py"
+    script.write_text(
+        "import resource, torch\n"
+        "from overbrainer.trainers.builtin.device import is_out_of_memory\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_AS)\n"
+        "used = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (used + 2**30, hard))\n"
+        "try:\n"
+        "    torch.empty(2**34, dtype=torch.uint8).fill_(1)\n"
+        "except RuntimeError as e:\n"
+        "    print(is_out_of_memory(e), str(e).splitlines()[0][:160])\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("True ") and "DefaultCPUAllocator: can't allocate memory" in proc.stdout, proc.stdout
 
 
 def test_a_cpu_without_bf16_instructions_is_told_apart():

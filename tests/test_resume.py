@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import bake_json, cli
+from helpers import bake_json, cli, held, trainers_of
 
 FINAL = "checkpoints/step-000008"
 
@@ -88,10 +88,89 @@ def test_trainer_killed_is_a_failed_run_then_resumes(project, tmp_path, referenc
         os.kill(child.pid, signal.SIGKILL)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
-    assert "training failed" in err and "Traceback" not in err.splitlines()[0]
+    # one line: the signal, how far it got, what is kept (SIGKILL from outside, not the
+    # out-of-memory killer: its count did not move)
+    first = err.splitlines()[0]
+    assert first.startswith("error: training failed: the trainer was killed by SIGKILL after step ")
+    kept = sorted(p.name for p in (runs / "tiny" / "checkpoints").glob("step-*"))
+    if kept:
+        assert f"{kept[-1]} is intact, and the same bake resumes from it" in first
+    else:
+        assert "no checkpoint was made yet: the same bake starts again" in first
+    assert "out-of-memory" not in first and "Traceback" not in err
     assert not (runs / "tiny" / ".stamps" / "train.json").exists()
     bake_in(runs, project.plan_path)
     assert weights(runs / "tiny") == weights(reference)
+
+
+def memory_cgroup(name: str, limit: int) -> Path | None:
+    """A memory cgroup under this process's own, holding at most `limit` bytes (cgroup v1's
+    memory.limit_in_bytes, or v2's memory.max), or None where this machine lets none be
+    made (no memory controller mounted, or not ours to write)."""
+    own = {}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        own[controllers] = path
+    for mount in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = mount.split()
+        kind, options = fields[fields.index("-") + 1], fields[-1].split(",")
+        if kind == "cgroup" and "memory" in options:  # v1
+            path = next((v for k, v in own.items() if "memory" in k.split(",")), None)
+            limit_file = "memory.limit_in_bytes"
+        elif kind == "cgroup2" and "" in own:
+            path, limit_file = own[""], "memory.max"
+        else:
+            continue
+        folder = Path(fields[4]) / (path or "/").lstrip("/") / name
+        try:
+            folder.mkdir(exist_ok=True)
+            (folder / limit_file).write_text(str(limit))
+            return folder
+        except OSError:
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+    return None
+
+
+def test_the_out_of_memory_killer_is_named_and_the_rerun_trains(project, tmp_path, reference):
+    """A trainer that the kernel's out-of-memory killer ends: the bake says so in one line
+    (what to lower, what is kept), the step stays undone, and the next bake trains the run
+    to the same weights. The kill is real: the trainer is put, as it starts, into a memory
+    cgroup holding 64 MiB, less than importing torch takes."""
+    group = memory_cgroup(f"overbrainer-test-{os.getpid()}", 64 * 2**20)
+    if group is None:
+        pytest.skip("no memory cgroup can be made here (needs a writable cgroup v1 memory controller or v2)")
+    runs = tmp_path / "oom"
+    folder = runs / "tiny"
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "overbrainer.cli", "bake", str(project.plan_path), "--foreground", "--runs",
+             str(runs)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        deadline = time.monotonic() + 300
+        while not (trainers := trainers_of(folder)):
+            assert proc.poll() is None and time.monotonic() < deadline, "no trainer started"
+            time.sleep(0.001)
+        with held(trainers):  # still at its first imports: the cgroup takes what it asks next
+            for p in trainers:
+                (group / "cgroup.procs").write_text(str(p.pid))
+        out, err = proc.communicate(timeout=300)
+    finally:
+        try:
+            group.rmdir()  # empty once its process is gone
+        except OSError:
+            pass
+    assert proc.returncode == 1
+    first = err.splitlines()[0]
+    assert first.startswith("error: training failed: the kernel's out-of-memory killer ended the trainer "
+                            "before its first step (this machine has ")
+    assert "no checkpoint was made yet" in first and "set train.gradient_checkpointing" in first
+    assert "train.micro_batch_size" in first and "Traceback" not in err
+    assert not (folder / ".stamps" / "train.json").exists()
+    bake_in(runs, project.plan_path)
+    assert weights(folder) == weights(reference)
 
 
 def test_partial_checkpoint_is_never_used(project, tmp_path, reference):

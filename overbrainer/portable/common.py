@@ -22,7 +22,7 @@ from . import faults
 __all__ = [
     "NO_METRICS_EXIT", "METRICS", "LOG", "STOP", "STOPPED", "TRAINER_ERROR", "META", "now", "die_with_parent", "write_atomic", "write_json", "read_json", "read_json_lines",
     "fsync_dir", "fsync_tree", "log_line", "append_log", "has_metric_line", "truncate_metrics", "phase_of", "run_commands",
-    "proc_start",
+    "proc_start", "oom_kills", "signal_name",
 ]
 
 NO_METRICS_EXIT = 86  # the job ended well but wrote no metric line (its plugin did not load)
@@ -47,6 +47,30 @@ def proc_start(pid: int) -> tuple[str | None, int | None]:
         return fields[0], int(fields[19])
     except (OSError, ValueError, IndexError):
         return None, None
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's out-of-memory killer has ended since boot (Linux's
+    ``/proc/vmstat`` ``oom_kill``, 4.13 and later), or None where it does not say. A job
+    that died of SIGKILL while this count rose was, most likely, one of them."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def signal_name(code: int) -> str | None:
+    """The signal that ended a process, from its exit code as `subprocess` (-9) or a shell
+    (137) gives it; None for an ordinary exit."""
+    number = -code if code < 0 else code - 128 if 128 < code < 128 + 65 else 0
+    try:
+        return signal.Signals(number).name if number else None
+    except ValueError:
+        return f"signal {number}"
 
 
 def now() -> str:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import OverbrainerError, RunFailed, RunStopped
 from ..folder import CHECKPOINTS, LOG, METRICS, RunFolder
+from ..portable.common import oom_kills, read_json_lines, signal_name
 from ..stamps import fingerprint, outputs_digest
 from ..trainers import checkpoint as ckpt
 from ..trainers.samples import read_samples
@@ -108,11 +109,16 @@ def run(bake: Bake, inputs: dict) -> Outputs:
     if kept:
         bake.say(f"train: resumes from {kept.name} (the stable phase is unchanged)")
     max_steps = inputs["config"]["max_steps"]
+    here = bake.plan.where == "here"
+    kills = oom_kills() if here else None
     code = launch(bake, fp, max_steps, trajectory(inputs))
     if code != 0:
         said = folder.trainer_error
         if said.exists():  # the trainer said why, in one line
             raise RunFailed(f"training failed: {said.read_text().strip()}", log_tail="")
+        killed = killed_line(code, folder, max_steps, inputs["config"], kills)
+        if killed:
+            raise RunFailed(f"training failed: {killed}", log_tail="")
         raise RunFailed(
             f"training failed (exit code {code}); the end of {bake.shown(folder.log)}:",
             log_tail=tail(folder.log, 15),
@@ -250,6 +256,36 @@ def set_aside_other_runs(run_dir: Path, checkpoints: Path, fp: str, inputs: dict
     if metrics.exists():
         shutil.copy2(metrics, dest / METRICS)
     return reused
+
+
+def killed_line(code: int, folder: RunFolder, max_steps: int, cfg: dict, kills: int | None) -> str | None:
+    """Why the trainer died, in one line, when a signal ended it (this bake did not: a stop
+    is asked through the stop file): the step it had reached, the checkpoint kept, and for
+    SIGKILL while the kernel's out-of-memory killer struck (its count rose: `kills` is the
+    count before), what to lower. None for a trainer that exited on its own."""
+    name = signal_name(code)
+    if name is None and code == 1 and "Signal 9 (SIGKILL) received by PID" in tail(folder.log, 40):
+        name = "SIGKILL"  # a worker under torchrun, which exits 1 and says which signal
+    if name is None:
+        return None
+    lines = read_json_lines(folder.metrics)
+    step = max((line["step"] for line in lines if isinstance(line.get("step"), int)), default=0)
+    done = ckpt.complete(folder.checkpoints)
+    kept = f"{done[-1][1].name} is intact, and the same bake resumes from it" if done else (
+        "no checkpoint was made yet: the same bake starts again")
+    after = f"after step {step} of {max_steps}" if step else "before its first step"
+    now = oom_kills() if kills is not None else None
+    if name == "SIGKILL" and now is not None and now > kills:
+        import psutil
+
+        ram = psutil.virtual_memory().total / 2**30
+        fix = ("lower train.micro_batch_size (raising gradient_accumulation_steps) or train.sequence_len "
+               "(a new run)")
+        if not cfg.get("gradient_checkpointing"):
+            fix = "set train.gradient_checkpointing (the run resumes), or " + fix
+        return (f"the kernel's out-of-memory killer ended the trainer {after} (this machine has {ram:.1f} GiB "
+                f"of memory; other programs share it); {kept}; to need less, {fix}")
+    return f"the trainer was killed by {name} {after}, not by this bake; {kept}"
 
 
 def launch(bake: Bake, fp: str, max_steps: int, traj: str = "") -> int:

@@ -255,8 +255,29 @@ def peak_memory(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
+def memory_size(device: torch.device) -> int | None:
+    """Bytes: the device's memory (a GPU's; the machine's RAM for the CPU; what Metal
+    recommends at most on mps), or None where torch does not say."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "mps":
+        told = getattr(torch.mps, "recommended_max_memory", None)
+        return int(told()) if told else None
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
 def is_out_of_memory(error: BaseException) -> bool:
-    return isinstance(error, torch.cuda.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and "out of memory" in str(error)
-        and ("CUDA" in str(error) or "MPS" in str(error))  # mps says "MPS backend out of memory"
-    )
+    """An allocation the device (or, for the CPU, the process's address space) refused:
+    CUDA's OutOfMemoryError, mps's "MPS backend out of memory", the CPU allocator's
+    "can't allocate memory"."""
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return True
+    text = str(error) if isinstance(error, RuntimeError) else ""
+    return ("out of memory" in text and ("CUDA" in text or "MPS" in text)) or is_host_memory(error)
+
+
+def is_host_memory(error: BaseException) -> bool:
+    """The CPU allocator's refusal (host memory, not a GPU's)."""
+    return "DefaultCPUAllocator: can't allocate memory" in str(error)

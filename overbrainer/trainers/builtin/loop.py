@@ -18,6 +18,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -112,12 +113,15 @@ def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = 
     if cfg.get("liger", "auto") == "auto" and not any(cfg.get(k) for k in hw.LIGER_KEYS):
         # train.liger "auto" (config.yaml names no Liger kernel): where they were measured to help
         cfg.update(dict.fromkeys(hw.LIGER_KEYS, hw.use_liger(device, cfg, world.size, deterministic)))
-    # sharded, every rank builds the model in host memory and `fully_shard` moves its own
-    # slice of each layer to the device: the whole model is never on one GPU
-    model, tokenizer = load_model(cfg, torch.device("cpu") if world.shard else device, bf16, sharded=world.shard)
     found = checkpoint_to_resume(cfg, run_dir, world)
-    if found:
-        load_weights(model, found[1], cfg)  # into the whole model, before it is sharded
+    # out of memory before the first step: the model (or its optimizer state) does not fit
+    at_start = partial(memory_errors_at_start, cfg, device, saved_step=found[0] if found else None)
+    with at_start(f"loading the model onto {device}"):
+        # sharded, every rank builds the model in host memory and `fully_shard` moves its own
+        # slice of each layer to the device: the whole model is never on one GPU
+        model, tokenizer = load_model(cfg, torch.device("cpu") if world.shard else device, bf16, sharded=world.shard)
+        if found:
+            load_weights(model, found[1], cfg)  # into the whole model, before it is sharded
     if world.size > 1:
         torch.manual_seed(cfg["seed"] + 7919 * world.rank)  # but its own dropout
     # config.yaml's datasets and test_datasets, as Axolotl reads them
@@ -148,7 +152,9 @@ def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = 
     if fused_loss and transform["scale"] != 1.0 and getattr(model.get_output_embeddings(), "bias", None) is not None:
         # a scale goes onto the hidden states of Liger's fused loss, which a bias would not follow
         cfg["liger_fused_linear_cross_entropy"] = fused_loss = False
-    if not TokenLoss(**transform).matches_the_model(model):
+    with at_start(f"checking the output layer on {device}"):
+        same = TokenLoss(**transform).matches_the_model(model)
+    if not same:
         # a family that does something of its own to the logits: its forward's, at every position
         transform["whole"] = True
         cfg["liger_fused_linear_cross_entropy"] = fused_loss = False
@@ -156,7 +162,8 @@ def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = 
             print(f"{model.config.model_type}: its forward does something to the logits the trainer does not know "
                   "of: the loss is taken from the model's own logits, at every position (slower)", flush=True)
     loss = TokenLoss(fused=fused_loss, **transform)
-    decoder = world.wrap(Decoder(model, loss), device, layers=decoder_layers(model), bf16=bf16)
+    with at_start(f"placing the model on {device}"):
+        decoder = world.wrap(Decoder(model, loss), device, layers=decoder_layers(model), bf16=bf16)
     # after the wrap: sharded, the parameters are this rank's slices (DTensors)
     params = [p for p in model.parameters() if p.requires_grad]
     # fused AdamW (one kernel for every parameter) where torch has it for the device; on
@@ -171,7 +178,8 @@ def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = 
         pad_id=pad_id, params=params, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
     )
     if found:
-        resume(t, *found)
+        with at_start(f"loading {found[1].name}'s optimizer state onto {device}"):
+            resume(t, *found)
     return t
 
 
@@ -403,19 +411,52 @@ def save(t: Training, k: int) -> None:
     t.world.barrier()
 
 
-def out_of_memory(t: Training, step: int | None = None, doing: str = "") -> GiveUp:
-    """A CUDA out-of-memory error as one line: the step (and what it was `doing` besides
+def out_of_memory(t: Training, step: int | None = None, doing: str = "", host: bool = False) -> GiveUp:
+    """Out of memory in the loop, as one line: the step (and what it was `doing` besides
     training: evaluating, sampling, saving), the peak, what to lower."""
     step = t.step + 1 if step is None else step
-    peak = hw.peak_memory(t.device) / 2**30
-    total = torch.cuda.get_device_properties(t.device).total_memory / 2**30 if t.device.type == "cuda" else 0
-    kept = f"step-{t.saved_step:06d} is intact" if t.saved_step else "no checkpoint yet"
+    where = f"{doing} at step {step}" if doing else f"at step {step}"
     fix = "lower train.micro_batch_size (raising gradient_accumulation_steps) or train.sequence_len (a new run)"
     if not t.cfg.get("gradient_checkpointing"):
         fix = "set train.gradient_checkpointing and bake again to resume, or " + fix
-    where = f"{doing} at step {step}" if doing else f"at step {step}"
-    return GiveUp(f"out of GPU memory {where} of {t.cfg['max_steps']} (peak {peak:.1f} GiB of "
-                  f"{total:.1f} GiB on {t.device}; {kept}); {fix}", OOM_EXIT)
+    return memory_error(t.device, f"{where} of {t.cfg['max_steps']}", t.saved_step, fix, host)
+
+
+def memory_error(device: torch.device, where: str, saved_step: int | None, fix: str, host: bool) -> GiveUp:
+    """"out of GPU memory <where> (peak, size, device; the checkpoint kept); <fix>": exit 5;
+    "out of memory" for the `host`'s (the CPU allocator's)."""
+    peak = hw.peak_memory(device) / 2**30
+    size = hw.memory_size(device)
+    of = f" of {size / 2**30:.1f} GiB" if size else ""
+    kept = f"step-{saved_step:06d} is intact" if saved_step else "no checkpoint yet"
+    what = "memory" if host else "GPU memory"
+    return GiveUp(f"out of {what} {where} (peak {peak:.1f} GiB{of} on {device}; {kept}); {fix}", OOM_EXIT)
+
+
+def too_big_to_load(cfg: dict, device: torch.device) -> str:
+    """What to change when the model itself (or its optimizer state) does not fit."""
+    ways = []
+    if device.type == "cuda" and cfg.get("adapter") != "qlora":
+        ways.append('train.adapter "qlora" (the base in 4 bits)')
+    if not cfg.get("adapter"):  # a full fine-tune
+        ways.append('train.adapter "lora" (no gradients nor optimizer state for the base)')
+        if device.type == "cuda":
+            ways.append("train.shard with train.processes >= 2 (FSDP2: a slice of the model on each GPU)")
+    ways.append("a smaller base, or a " + ("machine" if device.type == "cpu" else "device") + " with more memory")
+    return "the model does not fit: " + ", or ".join(ways)
+
+
+@contextmanager
+def memory_errors_at_start(cfg: dict, device: torch.device, doing: str, saved_step: int | None = None):
+    """Out of memory before the first step (loading the model, its checkpoint, the
+    optimizer state), as one line (exit 5): the model is too big for the device, however
+    small the batches."""
+    try:
+        yield
+    except RuntimeError as e:
+        if hw.is_out_of_memory(e):
+            raise memory_error(device, doing, saved_step, too_big_to_load(cfg, device), hw.is_host_memory(e)) from None
+        raise
 
 
 @contextmanager
@@ -428,7 +469,7 @@ def memory_errors_told(t: Training, step: int | None = None, doing: str = ""):
         yield
     except RuntimeError as e:  # torch.OutOfMemoryError is one
         if hw.is_out_of_memory(e):
-            raise out_of_memory(t, step, doing) from None
+            raise out_of_memory(t, step, doing, hw.is_host_memory(e)) from None
         raise
 
 
