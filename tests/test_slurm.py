@@ -541,6 +541,24 @@ def test_across_nodes_keeps_the_trainers_own_arguments():
     assert command[-5:] == ["-m", "overbrainer.trainers.builtin", "config.yaml", "--device", "cuda"]
 
 
+def test_a_job_over_its_memory_says_what_to_ask_for():
+    """Slurm's OUT_OF_MEMORY (the job went over its --mem): the line says to ask for more
+    or, for training, to need less. (The test cluster enforces no memory limit, so no job
+    of it ends this way: the line is checked as it is built from Slurm's state.)"""
+    from overbrainer.where.slurm import JobState, ended_line
+
+    train = ended_line("41", "train", JobState(("OUT_OF_MEMORY", "OutOfMemory")))
+    assert train.startswith("the Slurm job 41 ended OUT_OF_MEMORY (OutOfMemory); bake again to go on from its "
+                            "last checkpoint; it went over the memory Slurm gave it")
+    assert '["--mem=..."]' in train and "train.micro_batch_size" in train
+    merge = ended_line("42", "merge", JobState(("OUT_OF_MEMORY", "None")))
+    assert merge.endswith('run merge again; it went over the memory Slurm gave it: ask for more '
+                          '(where.slurm.sbatch: ["--mem=..."])')
+    assert ended_line("43", "train", JobState(("FAILED", "NonZeroExitCode"))).endswith(
+        "ended FAILED (NonZeroExitCode); bake again to go on from its last checkpoint")
+    assert "without a trace" in ended_line("44", "train", None)
+
+
 def test_merge_and_bake_sent_to_the_cluster_end_as_here_and_a_cancelled_merge_reruns(plan, reference, cluster):
     """where.slurm.steps: merge and bake as Slurm jobs of their own, stamped here. The
     partition goes down while training runs, so the merge job waits (PartitionDown):

@@ -439,12 +439,7 @@ class Slurm:
                             "the cluster's nodes share; bake with --runs on the shared filesystem, or set where.slurm.workdir "
                             "to a folder they see", log_tail="")
         if ended != "COMPLETED" and not (ended == "gone" and end is not None):
-            reason = "" if state is None or state.reason in ("None", "") else f" ({state.reason})"
-            if ended == "gone":
-                ended = "without a trace (squeue, scontrol and sacct do not know it)"
-            again = "go on from its last checkpoint" if step == "train" else f"run {step} again"
-            raise RunFailed(f"the Slurm job {job}{_of(step)} ended {ended}{reason}; bake again to {again}",
-                            log_tail=_tail(out))
+            raise RunFailed(ended_line(job, step, state), log_tail=_tail(out))
         if end is None:
             raise RunFailed(f"the Slurm job {job} ended without running its commands; see {out}",
                             log_tail=_tail(out))
@@ -490,6 +485,23 @@ class Slurm:
 
 def _submitted(step: str) -> str:
     return _SUBMITTED if step == "train" else f"submitted-{step}.json"
+
+
+def ended_line(job: str, step: str, state: JobState | None) -> str:
+    """A job that did not complete, in one line: Slurm's state and reason, what the next
+    bake does, and for OUT_OF_MEMORY (the job went over the memory Slurm gave it) what to
+    ask for or lower."""
+    ended = state.state if state else "gone"
+    reason = "" if state is None or state.reason in ("None", "") else f" ({state.reason})"
+    if ended == "gone":
+        ended = "without a trace (squeue, scontrol and sacct do not know it)"
+    again = "go on from its last checkpoint" if step == "train" else f"run {step} again"
+    line = f"the Slurm job {job}{_of(step)} ended {ended}{reason}; bake again to {again}"
+    if ended == "OUT_OF_MEMORY":
+        line += '; it went over the memory Slurm gave it: ask for more (where.slurm.sbatch: ["--mem=..."])'
+        if step == "train":
+            line += ", or need less: train.gradient_checkpointing if it is off, a lower train.micro_batch_size"
+    return line
 
 
 def _of(step: str) -> str:
