@@ -394,6 +394,7 @@ def test_out_of_memory_on_the_cpu_and_before_the_first_step_is_one_line():
         GiveUp,
         memory_errors_at_start,
         memory_errors_told,
+        too_big_to_load,
     )
 
     refused = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 68719476736 bytes."
@@ -418,6 +419,21 @@ def test_out_of_memory_on_the_cpu_and_before_the_first_step_is_one_line():
     assert "the model does not fit: a smaller base, or a machine with more memory" in str(e.value)
     with pytest.raises(ValueError, match="not memory"), memory_errors_at_start(lora, torch.device("cpu"), "x"):
         raise ValueError("not memory")
+
+    # a GPU run whose host memory ran out (every process loads the model whole, sharded or
+    # not): the host's figures and the host's fixes, not the GPU's (no GPU is asked here)
+    sharded = {"adapter": None, "shard": True, "max_steps": 8}
+    for error in (RuntimeError(refused), MemoryError()):
+        with pytest.raises(GiveUp) as e, memory_errors_at_start(sharded, torch.device("cuda"), "loading the model onto cpu"):
+            raise error
+        message = str(e.value)
+        assert message.startswith("out of memory loading the model onto cpu (peak ") and "on cpu; no checkpoint" in message
+        assert "qlora" not in message and "train.shard" not in message and 'train.adapter "lora"' in message
+    # on the GPU itself: qlora, and train.shard only where it is not on already
+    assert "train.shard with train.processes" in too_big_to_load({"adapter": None}, torch.device("cuda"))
+    assert "train.shard" not in too_big_to_load(sharded, torch.device("cuda"))
+    assert too_big_to_load({"adapter": "lora"}, torch.device("cuda")).startswith(
+        'the model does not fit: train.adapter "qlora" (the base in 4 bits)')
 
 
 def test_the_cpu_allocators_own_refusal_is_recognized(tmp_path):
@@ -454,3 +470,19 @@ def test_a_cpu_without_bf16_instructions_is_told_apart():
     assert cpu_has_bf16("processor\t: 0\nFeatures\t: fp asimd\n") is False
     assert cpu_has_bf16("processor\t: 0\n") is None
     assert cpu_has_bf16() in (True, False, None)
+
+
+def test_what_to_lower_when_the_host_runs_out_depends_on_where_and_when():
+    """The OOM killer's line (steps/train.py): before the first step the model's loading is
+    what took the memory; later, on the CPU, a micro-batch's activations; on a GPU the host
+    holds the model once per process, and activations are the GPU's."""
+    from overbrainer.steps.train import host_memory_fix
+
+    assert host_memory_fix({"adapter": "lora"}, 0, "cpu", 1) == "a smaller base, or a machine with more memory"
+    later = host_memory_fix({"adapter": "lora"}, 3, "cpu", 1)
+    assert later.startswith("set train.gradient_checkpointing (the run resumes), or lower train.micro_batch_size")
+    assert "gradient_checkpointing" not in host_memory_fix({"adapter": "lora", "gradient_checkpointing": True}, 3, "cpu", 1)
+    assert 'train.adapter "lora"' in host_memory_fix({"adapter": None}, 0, "cpu", 1)
+    on_gpus = host_memory_fix({"adapter": None}, 5, "cuda", 4)
+    assert on_gpus == "fewer train.processes (4 each hold the model in this machine's memory), or a smaller base, " \
+                      "or a machine with more memory"

@@ -15,6 +15,8 @@ import psutil
 import pytest
 from helpers import bake_json, cli, held, trainers_of
 
+from overbrainer.portable.common import oom_kills
+
 FINAL = "checkpoints/step-000008"
 
 
@@ -77,6 +79,7 @@ def test_sigkill_then_rerun_is_bitwise_equal(project, tmp_path, reference, at):
 def test_trainer_killed_is_a_failed_run_then_resumes(project, tmp_path, reference):
     runs = tmp_path / "crashed"
     metrics = runs / "tiny" / "metrics.jsonl"
+    kills = oom_kills()
     proc = subprocess.Popen(
         [sys.executable, "-m", "overbrainer.cli", "bake", str(project.plan_path), "--foreground", "--runs", str(runs)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -88,16 +91,19 @@ def test_trainer_killed_is_a_failed_run_then_resumes(project, tmp_path, referenc
         os.kill(child.pid, signal.SIGKILL)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
-    # one line: the signal, how far it got, what is kept (SIGKILL from outside, not the
-    # out-of-memory killer: its count did not move)
+    # one line: the signal, how far it got, what is kept
     first = err.splitlines()[0]
-    assert first.startswith("error: training failed: the trainer was killed by SIGKILL after step ")
+    if oom_kills() != kills:  # the OOM killer ended something else on this machine meanwhile
+        assert first.startswith("error: training failed: the trainer was killed (SIGKILL) after step ")
+    else:  # SIGKILL from outside, not the out-of-memory killer: its count did not move
+        assert first.startswith("error: training failed: the trainer was killed by SIGKILL after step ")
+        assert "out-of-memory" not in first
     kept = sorted(p.name for p in (runs / "tiny" / "checkpoints").glob("step-*"))
     if kept:
         assert f"{kept[-1]} is intact, and the same bake resumes from it" in first
     else:
         assert "no checkpoint was made yet: the same bake starts again" in first
-    assert "out-of-memory" not in first and "Traceback" not in err
+    assert "Traceback" not in err
     assert not (runs / "tiny" / ".stamps" / "train.json").exists()
     bake_in(runs, project.plan_path)
     assert weights(runs / "tiny") == weights(reference)
@@ -139,10 +145,13 @@ def memory_cgroup(name: str, limit: int) -> Path | None:
 def holds(group: Path, limit: int) -> bool:
     """Whether the kernel enforces the group's limit: a process in it that writes four
     times as much is killed (not, say, let swap)."""
-    probe = subprocess.run(
-        [sys.executable, "-c", f"b = b'x' * {4 * limit}"], timeout=120,
-        preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())),
-    )
+    try:
+        probe = subprocess.run(
+            [sys.executable, "-c", f"b = b'x' * {4 * limit}"], timeout=120,
+            preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())),
+        )
+    except subprocess.SubprocessError:  # the group refused it (preexec_fn's error)
+        return False
     return probe.returncode == -signal.SIGKILL
 
 
@@ -176,10 +185,13 @@ def test_the_out_of_memory_killer_is_named_and_the_rerun_trains(project, tmp_pat
             pass
     assert proc.returncode == 1
     first = err.splitlines()[0]
-    assert first.startswith("error: training failed: the kernel's out-of-memory killer ended the trainer "
-                            "before its first step (this machine has ")
-    assert "no checkpoint was made yet" in first and "set train.gradient_checkpointing" in first
-    assert "train.micro_batch_size" in first and "Traceback" not in err
+    assert first.startswith("error: training failed: the trainer was killed (SIGKILL) before its first step, "
+                            "most likely by the kernel's out-of-memory killer (it ended a process meanwhile; "
+                            "this machine has ")
+    # before the first step it is the model's loading, not a micro-batch's activations
+    assert first.endswith("no checkpoint was made yet: the same bake starts again; to need less, a smaller base, "
+                          "or a machine with more memory")
+    assert "Traceback" not in err
     assert not (folder / ".stamps" / "train.json").exists()
     bake_in(runs, project.plan_path)
     assert weights(folder) == weights(reference)

@@ -116,7 +116,8 @@ def run(bake: Bake, inputs: dict) -> Outputs:
         said = folder.trainer_error
         if said.exists():  # the trainer said why, in one line
             raise RunFailed(f"training failed: {said.read_text().strip()}", log_tail="")
-        killed = killed_line(code, folder, max_steps, inputs["config"], kills)
+        killed = killed_line(code, folder, max_steps, inputs["config"], kills,
+                             trainer_device(bake.plan.train.device), bake.plan.train.processes)
         if killed:
             raise RunFailed(f"training failed: {killed}", log_tail="")
         raise RunFailed(
@@ -258,11 +259,13 @@ def set_aside_other_runs(run_dir: Path, checkpoints: Path, fp: str, inputs: dict
     return reused
 
 
-def killed_line(code: int, folder: RunFolder, max_steps: int, cfg: dict, kills: int | None) -> str | None:
+def killed_line(code: int, folder: RunFolder, max_steps: int, cfg: dict, kills: int | None,
+                device: str = "cpu", processes: int = 1) -> str | None:
     """Why the trainer died, in one line, when a signal ended it (this bake did not: a stop
     is asked through the stop file): the step it had reached, the checkpoint kept, and for
     SIGKILL while the kernel's out-of-memory killer struck (its count rose: `kills` is the
-    count before), what to lower. None for a trainer that exited on its own."""
+    count before; the count is the machine's, hence "most likely"), what needs the host's
+    memory on `device` and how to need less. None for a trainer that exited on its own."""
     name = signal_name(code)
     if name is None and code == 1 and "Signal 9 (SIGKILL) received by PID" in tail(folder.log, 40):
         name = "SIGKILL"  # a worker under torchrun, which exits 1 and says which signal
@@ -279,13 +282,37 @@ def killed_line(code: int, folder: RunFolder, max_steps: int, cfg: dict, kills: 
         import psutil
 
         ram = psutil.virtual_memory().total / 2**30
-        fix = ("lower train.micro_batch_size (raising gradient_accumulation_steps) or train.sequence_len "
-               "(a new run)")
-        if not cfg.get("gradient_checkpointing"):
-            fix = "set train.gradient_checkpointing (the run resumes), or " + fix
-        return (f"the kernel's out-of-memory killer ended the trainer {after} (this machine has {ram:.1f} GiB "
-                f"of memory; other programs share it); {kept}; to need less, {fix}")
+        return (f"the trainer was killed (SIGKILL) {after}, most likely by the kernel's out-of-memory killer (it "
+                f"ended a process meanwhile; this machine has {ram:.1f} GiB of memory, shared with other programs, "
+                f"and a container's limit may be lower); {kept}; to need less, "
+                + host_memory_fix(cfg, step, device, processes))
     return f"the trainer was killed by {name} {after}, not by this bake; {kept}"
+
+
+def host_memory_fix(cfg: dict, step: int, device: str, processes: int) -> str:
+    """What to change when the trainer ran out of this machine's memory: before its first
+    step, loading the model (every process loads it whole); later, on the CPU, the
+    activations of a micro-batch (on a GPU they are the GPU's, not the host's)."""
+    ways = []
+    if processes > 1:
+        ways.append(f"fewer train.processes ({processes} each hold the model in this machine's memory)")
+    if step and device == "cpu":
+        if not cfg.get("gradient_checkpointing"):
+            ways.append("set train.gradient_checkpointing (the run resumes)")
+        ways.append("lower train.micro_batch_size (raising gradient_accumulation_steps) or train.sequence_len "
+                    "(a new run)")
+    if device == "cpu" and not cfg.get("adapter"):  # a full fine-tune's gradients and AdamW state, here
+        ways.append('train.adapter "lora" (no gradients nor optimizer state for the base)')
+    ways.append("a smaller base, or a machine with more memory")
+    return ", or ".join(ways)
+
+
+def trainer_device(device: str) -> str:
+    """Where the trainer computes, as far as the bake can tell without torch: the plan's
+    train.device, "auto" being a CUDA GPU where the machine has NVIDIA's driver."""
+    if device != "auto":
+        return device.split(":")[0]
+    return "cuda" if shutil.which("nvidia-smi") else "cpu"
 
 
 def launch(bake: Bake, fp: str, max_steps: int, traj: str = "") -> int:

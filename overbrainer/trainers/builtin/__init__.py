@@ -45,6 +45,9 @@ class Builtin:
         examples = Path(run_dir) / TRAIN_SPLIT
         if not examples.is_file() or examples.stat().st_size == 0:
             raise NoTrainingData(Path(run_dir) / EXAMPLES)
+        # a trainer that dies before it starts (killed while importing torch) must not have
+        # an earlier attempt's line read as its own
+        (Path(run_dir) / TRAINER_ERROR).unlink(missing_ok=True)
 
     def commands(self) -> list[list[str]]:
         # where it computes is the plan's, not config.yaml's (not an Axolotl setting)

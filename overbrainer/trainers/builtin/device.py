@@ -271,13 +271,13 @@ def memory_size(device: torch.device) -> int | None:
 def is_out_of_memory(error: BaseException) -> bool:
     """An allocation the device (or, for the CPU, the process's address space) refused:
     CUDA's OutOfMemoryError, mps's "MPS backend out of memory", the CPU allocator's
-    "can't allocate memory"."""
-    if isinstance(error, torch.cuda.OutOfMemoryError):
+    "can't allocate memory", Python's own MemoryError (unpickling a checkpoint, say)."""
+    if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
         return True
     text = str(error) if isinstance(error, RuntimeError) else ""
     return ("out of memory" in text and ("CUDA" in text or "MPS" in text)) or is_host_memory(error)
 
 
 def is_host_memory(error: BaseException) -> bool:
-    """The CPU allocator's refusal (host memory, not a GPU's)."""
-    return "DefaultCPUAllocator: can't allocate memory" in str(error)
+    """The CPU allocator's or Python's refusal (host memory, not a GPU's)."""
+    return isinstance(error, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error)

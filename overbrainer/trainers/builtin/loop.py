@@ -116,10 +116,11 @@ def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = 
     found = checkpoint_to_resume(cfg, run_dir, world)
     # out of memory before the first step: the model (or its optimizer state) does not fit
     at_start = partial(memory_errors_at_start, cfg, device, saved_step=found[0] if found else None)
-    with at_start(f"loading the model onto {device}"):
-        # sharded, every rank builds the model in host memory and `fully_shard` moves its own
-        # slice of each layer to the device: the whole model is never on one GPU
-        model, tokenizer = load_model(cfg, torch.device("cpu") if world.shard else device, bf16, sharded=world.shard)
+    # sharded, every rank builds the model in host memory and `fully_shard` moves its own
+    # slice of each layer to the device: the whole model is never on one GPU
+    load_on = torch.device("cpu") if world.shard else device
+    with at_start(f"loading the model onto {load_on}"):
+        model, tokenizer = load_model(cfg, load_on, bf16, sharded=world.shard)
         if found:
             load_weights(model, found[1], cfg)  # into the whole model, before it is sharded
     if world.size > 1:
@@ -424,7 +425,9 @@ def out_of_memory(t: Training, step: int | None = None, doing: str = "", host: b
 
 def memory_error(device: torch.device, where: str, saved_step: int | None, fix: str, host: bool) -> GiveUp:
     """"out of GPU memory <where> (peak, size, device; the checkpoint kept); <fix>": exit 5;
-    "out of memory" for the `host`'s (the CPU allocator's)."""
+    "out of memory" for the `host`'s (the CPU allocator's), with the host's figures."""
+    if host:
+        device = torch.device("cpu")
     peak = hw.peak_memory(device) / 2**30
     size = hw.memory_size(device)
     of = f" of {size / 2**30:.1f} GiB" if size else ""
@@ -434,13 +437,15 @@ def memory_error(device: torch.device, where: str, saved_step: int | None, fix: 
 
 
 def too_big_to_load(cfg: dict, device: torch.device) -> str:
-    """What to change when the model itself (or its optimizer state) does not fit."""
+    """What to change when the model itself (or its optimizer state) does not fit on
+    `device` (the CPU's for host memory: there every process holds the whole model, and
+    sharding does not help)."""
     ways = []
     if device.type == "cuda" and cfg.get("adapter") != "qlora":
         ways.append('train.adapter "qlora" (the base in 4 bits)')
     if not cfg.get("adapter"):  # a full fine-tune
         ways.append('train.adapter "lora" (no gradients nor optimizer state for the base)')
-        if device.type == "cuda":
+        if device.type == "cuda" and not cfg.get("shard"):
             ways.append("train.shard with train.processes >= 2 (FSDP2: a slice of the model on each GPU)")
     ways.append("a smaller base, or a " + ("machine" if device.type == "cpu" else "device") + " with more memory")
     return "the model does not fit: " + ", or ".join(ways)
@@ -453,9 +458,11 @@ def memory_errors_at_start(cfg: dict, device: torch.device, doing: str, saved_st
     small the batches."""
     try:
         yield
-    except RuntimeError as e:
+    except (RuntimeError, MemoryError) as e:
         if hw.is_out_of_memory(e):
-            raise memory_error(device, doing, saved_step, too_big_to_load(cfg, device), hw.is_host_memory(e)) from None
+            host = hw.is_host_memory(e)
+            fix = too_big_to_load(cfg, torch.device("cpu") if host else device)
+            raise memory_error(device, doing, saved_step, fix, host) from None
         raise
 
 
@@ -467,7 +474,7 @@ def memory_errors_told(t: Training, step: int | None = None, doing: str = ""):
     checkpoints on disk are whole (each is renamed into place only when written)."""
     try:
         yield
-    except RuntimeError as e:  # torch.OutOfMemoryError is one
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
         if hw.is_out_of_memory(e):
             raise out_of_memory(t, step, doing, hw.is_host_memory(e)) from None
         raise
