@@ -616,7 +616,7 @@ def _line_of(text: str, loc: list[str]) -> int | None:
     """The line of the deepest key of `loc` found in the plan text, searching in order."""
     pos, found, skip = 0, None, 0
     for part in loc:
-        if part.isdigit():  # the n-th item of a list of objects: the key's n-th occurrence on
+        if part.isdecimal():  # the n-th item of a list of objects: the key's n-th occurrence on
             skip = int(part)
             continue
         key = re.compile(r'"' + re.escape(part) + r'"\s*:')

@@ -216,7 +216,7 @@ def _baked_of(folder: Path) -> list[Path]:
     trunk = RunFolder(folder).baked
     if trunk.is_dir() or not (folder / BRANCHES).is_dir():
         return [trunk]
-    budgets = sorted((p for p in (folder / BRANCHES).iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    budgets = sorted((p for p in (folder / BRANCHES).iterdir() if p.name.isdecimal()), key=lambda p: int(p.name))
     return [p / "baked" for p in budgets] or [trunk]
 
 

@@ -178,7 +178,7 @@ def cuda_gpu(index: int, env: dict | None = None, gpus: list[dict] | None = None
     if visible is not None:
         chosen = []
         for entry in (e.strip() for e in visible.split(",")):
-            if entry.isdigit() and int(entry) < len(gpus):
+            if entry.isdecimal() and int(entry) < len(gpus):
                 chosen.append(gpus[int(entry)])
             elif entry.startswith("GPU-"):
                 found = [g for g in gpus if g["uuid"].startswith(entry)]

@@ -331,7 +331,7 @@ class Run:
 def _branch_order(path: Path) -> tuple[int, int]:
     """Budgets by size, then decays by step."""
     name = path.name
-    return (0, int(name)) if name.isdigit() else (1, int(name[3:]) if name[3:].isdigit() else 0)
+    return (0, int(name)) if name.isdecimal() else (1, int(name[3:]) if name[3:].isdecimal() else 0)
 
 
 def _steps_from_config(config: Path) -> int | None:
