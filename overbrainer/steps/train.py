@@ -109,15 +109,14 @@ def run(bake: Bake, inputs: dict) -> Outputs:
     if kept:
         bake.say(f"train: resumes from {kept.name} (the stable phase is unchanged)")
     max_steps = inputs["config"]["max_steps"]
-    here = bake.plan.where == "here"
-    kills = oom_kills() if here else None
+    kills = oom_kills() if bake.plan.where == "here" else None  # the kernel's OOM kills, before
     code = launch(bake, fp, max_steps, trajectory(inputs))
     if code != 0:
         said = folder.trainer_error
         if said.exists():  # the trainer said why, in one line
             raise RunFailed(f"training failed: {said.read_text().strip()}", log_tail="")
-        killed = killed_line(code, folder, max_steps, inputs["config"], kills,
-                             trainer_device(bake.plan.train.device), bake.plan.train.processes)
+        killed = killed_line(code, folder, max_steps, inputs["config"], kills, bake.plan.train.device,
+                             bake.plan.train.processes)
         if killed:
             raise RunFailed(f"training failed: {killed}", log_tail="")
         raise RunFailed(
@@ -260,7 +259,7 @@ def set_aside_other_runs(run_dir: Path, checkpoints: Path, fp: str, inputs: dict
 
 
 def killed_line(code: int, folder: RunFolder, max_steps: int, cfg: dict, kills: int | None,
-                device: str = "cpu", processes: int = 1) -> str | None:
+                device: str = "auto", processes: int = 1) -> str | None:
     """Why the trainer died, in one line, when a signal ended it (this bake did not: a stop
     is asked through the stop file): the step it had reached, the checkpoint kept, and for
     SIGKILL while the kernel's out-of-memory killer struck (its count rose: `kills` is the
@@ -281,6 +280,9 @@ def killed_line(code: int, folder: RunFolder, max_steps: int, cfg: dict, kills: 
     if name == "SIGKILL" and now is not None and now > kills:
         import psutil
 
+        from ..inputs.sizing import device_memory
+
+        device = device_memory(device)[0]  # the plan's train.device, "auto" resolved as sizing does
         ram = psutil.virtual_memory().total / 2**30
         return (f"the trainer was killed (SIGKILL) {after}, most likely by the kernel's out-of-memory killer (it "
                 f"ended a process meanwhile; this machine has {ram:.1f} GiB of memory, shared with other programs, "
@@ -305,14 +307,6 @@ def host_memory_fix(cfg: dict, step: int, device: str, processes: int) -> str:
         ways.append('train.adapter "lora" (no gradients nor optimizer state for the base)')
     ways.append("a smaller base, or a machine with more memory")
     return ", or ".join(ways)
-
-
-def trainer_device(device: str) -> str:
-    """Where the trainer computes, as far as the bake can tell without torch: the plan's
-    train.device, "auto" being a CUDA GPU where the machine has NVIDIA's driver."""
-    if device != "auto":
-        return device.split(":")[0]
-    return "cuda" if shutil.which("nvidia-smi") else "cpu"
 
 
 def launch(bake: Bake, fp: str, max_steps: int, traj: str = "") -> int:
