@@ -8,6 +8,8 @@
 ``metrics.jsonl``      one line per logged step
 ``samples.jsonl``      greedy answers to the sample prompts, one line per sampled step
                        (``{"step", "samples": [{"prompt", "answer"}]}``; ``train.samples``)
+``profile/``           where a few steps spent their time (``train.profile``): ``ops.txt``,
+                       ``trace.json.gz`` (``-rank<r>`` under several processes), ``memory.pickle``
 ``log.txt``            the trainer's own output
 ``checkpoints/``       ``step-NNNNNN/`` folders (see ``trainers/checkpoint.py``)
 ``merged/``            the adapter merged into the base model (HF safetensors)
@@ -56,7 +58,7 @@ __all__ = [
     "BranchFolder", "BRANCHES", "BRANCH_JSON", "PLAN_JSON", "EXAMPLES", "CONFIG", "RUN_JSON", "METRICS", "LOG", "CHECKPOINTS", "MERGED", "BAKED", "ATTIC",
     "STAMPS", "DOIT_DB", "HASH_CACHE", "PLAN_MEMO", "LOCK", "RUN_LOCK", "STOP", "STOPPED", "TRAINER_ERROR",
     "EXPORT", "IMPORTED", "IMPORTED_USED", "AXOLOTL_JOB", "META", "JOB_SH", "SLURM", "LOSS_PLOT", "TENSORBOARD",
-    "MLRUNS", "WANDB", "SAMPLES",
+    "MLRUNS", "WANDB", "SAMPLES", "PROFILE",
 ]
 
 RUNS_ENV = "OVERBRAINER_RUNS"
@@ -90,6 +92,7 @@ TENSORBOARD = "tensorboard"
 MLRUNS = "mlruns"
 WANDB = "wandb"
 SAMPLES = "samples.jsonl"
+PROFILE = "profile"
 
 
 def runs_root(given: str | os.PathLike | None = None) -> Path:
@@ -161,6 +164,7 @@ class RunFolder:
     mlruns = property(lambda self: self.root / MLRUNS)
     wandb = property(lambda self: self.root / WANDB)
     samples = property(lambda self: self.root / SAMPLES)
+    profile = property(lambda self: self.root / PROFILE)
 
     branches = property(lambda self: self.root / BRANCHES)
 

@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import PlanError
 from .folder import default_name
 
-__all__ = ["Plan", "DataSource", "SlurmSettings", "SlurmTarget", "SplitSettings", "TrainSettings", "Schedule", "SampleSettings", "BakeSettings",
+__all__ = ["Plan", "DataSource", "SlurmSettings", "SlurmTarget", "SplitSettings", "TrainSettings", "Schedule", "SampleSettings", "ProfileSettings",
+           "BakeSettings",
            "load_plan"]
 
 # What `bake.formats` may name; overbrainer/formats/ writes them. The gguf-<type> formats are
@@ -120,6 +121,26 @@ class SampleSettings(_Settings):
     max_new_tokens: int = Field(default=64, gt=0, le=4096)
 
 
+class ProfileSettings(_Settings):
+    """torch.profiler over a few steps of the built-in trainer, its files in the run folder's profile/."""
+
+    start: int = Field(
+        default=2, gt=0, le=10_000_000,
+        description="The first step recorded, counted as the log counts them (from 1); the step before it, "
+        "when this process runs it, warms the profiler up.",
+    )
+    steps: int = Field(default=3, gt=0, le=100, description="How many steps are recorded.")
+    memory: bool = Field(
+        default=False,
+        description="Record allocations too: memory columns in ops.txt and, on CUDA, memory.pickle "
+        "(a snapshot for https://pytorch.org/memory_viz).",
+    )
+
+    @property
+    def last(self) -> int:
+        return self.start + self.steps - 1
+
+
 class TrainSettings(_Settings):
     """How to train."""
 
@@ -189,6 +210,11 @@ class TrainSettings(_Settings):
     samples: SampleSettings | None = Field(
         default=None, description="Greedy answers to prompts at every `every` steps, in samples.jsonl and the trackers.",
     )
+    profile: ProfileSettings | None = Field(
+        default=None,
+        description="Record where a few steps spend their time (torch.profiler): profile/ops.txt, a table "
+        "of the operators; profile/trace.json.gz, a timeline for https://ui.perfetto.dev. true for the defaults.",
+    )
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
     processes: int = Field(
         default=1, ge=1, le=1024,
@@ -216,6 +242,9 @@ class TrainSettings(_Settings):
         if self.budgets is not None and self.trainer != "builtin":
             raise ValueError("train.budgets branches decays off the built-in trainer's checkpoints; "
                              "set train.trainer to builtin, or train one length with train.steps")
+        if self.profile is not None and self.trainer != "builtin":
+            raise ValueError("train.profile records the built-in trainer's steps; remove it, or set train.trainer "
+                             "to builtin (Axolotl has profiler_steps of its own)")
         if self.steps is not None:
             self._fits_in(self.steps, "train.steps")
         for budget in self.budgets or []:
@@ -229,6 +258,14 @@ class TrainSettings(_Settings):
         if warmup + decay > steps:
             raise ValueError(f"{steps} steps ({field}) are fewer than the warmup ({warmup}) plus the decay ({decay}); "
                              f"make it at least {warmup + decay} or shorten the schedule")
+
+    @field_validator("profile", mode="before")
+    @classmethod
+    def _profile_true(cls, value: Any) -> Any:
+        # "profile": true takes the defaults; false is none
+        if value is True:
+            return {}
+        return None if value is False else value
 
     @field_validator("budgets")
     @classmethod

@@ -199,6 +199,8 @@ def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: di
         "liger": False if train.liger is False and train.trainer == "builtin" else None,
         # the built-in trainer's own: FSDP2 (train.shard; refused with Axolotl)
         "shard": train.shard or None,
+        # the built-in trainer's own: torch.profiler over train.profile's steps (profile/)
+        "profile": train.profile.model_dump() if train.profile else None,
     }
     return {k: v for k, v in cfg.items() if v is not None}
 
@@ -416,6 +418,11 @@ def run(bake: Bake, inputs: dict) -> Outputs:
     for warning in warnings:
         bake.say(f"warning: {warning}")
     steps = schedule_steps(train, inputs["train_rows"])
+    if train.profile and train.profile.last > steps["max_steps"]:
+        raise OverbrainerError(
+            f"config: train.profile records steps {train.profile.start}-{train.profile.last}, and this run has "
+            f"{steps['max_steps']}; lower train.profile.start or train.profile.steps"
+        )
     base_folder = inputs["base_folder"]
     memory = size(train, Path(base_folder))
     if memory.micro_batch_size != train.micro_batch_size:

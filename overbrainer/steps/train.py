@@ -45,9 +45,10 @@ HOW_IT_COMPUTES = ("device", "deterministic", "torch_compile", "gradient_checkpo
                    "dataset_prepared_path")
 # config.yaml keys that say what is looked at while it trains, not what it trains: greedy
 # samples (taken with the RNG state put back) change no weight; a finished run stays done
-WATCHING = ("samples",)
+WATCHING = ("samples", "profile")
 # the same, as the plan's train settings name them (the bake step's model card leaves them out)
-HOW_IT_COMPUTES_SETTINGS = ("device", "deterministic", "compile", "gradient_checkpointing", "liger", "samples")
+HOW_IT_COMPUTES_SETTINGS = ("device", "deterministic", "compile", "gradient_checkpointing", "liger", "samples",
+                            "profile")
 
 TARGETS = [f"{CHECKPOINTS}/", METRICS, LOG]
 # config.yaml keys that say where a run ends and where its decay begins, not how its weights

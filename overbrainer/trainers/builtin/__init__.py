@@ -5,6 +5,7 @@ one per GPU (or CPU process) under torchrun.
     model.py    the model as config.yaml says (LoRA, QLoRA, checkpointing, compile, Liger)
                 and its loss
     device.py   where it computes: the device, bf16, TF32, determinism, pinned copies, memory
+    profile.py  train.profile: torch.profiler over a few steps, into the run folder's profile/
     ../dist.py  the ranks: DDP, no_sync during accumulation, sums and agreement
 
 Everything it needs is already in the run folder when the config step is done
@@ -22,6 +23,7 @@ from ...folder import (
     EXAMPLES,
     LOG,
     METRICS,
+    PROFILE,
     SAMPLES,
     STOPPED,
     TRAIN_SPLIT,
@@ -77,7 +79,7 @@ class Builtin:
         return METRICS
 
     def artifacts(self) -> Artifacts:
-        return Artifacts(entries=[CHECKPOINTS, METRICS, SAMPLES, LOG, STOPPED, TRAINER_ERROR], exclude=[".tmp-*"],
+        return Artifacts(entries=[CHECKPOINTS, METRICS, SAMPLES, PROFILE, LOG, STOPPED, TRAINER_ERROR], exclude=[".tmp-*"],
                          required=CHECKPOINTS)
 
     def stop_marker(self) -> str | None:

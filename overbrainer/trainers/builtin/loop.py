@@ -33,6 +33,7 @@ from ..examples import Example, Order, collate, load_examples, micro_batches
 from ..samples import answer, is_sample_step, prompt_text
 from . import device as hw
 from .model import Decoder, TokenLoss, decoder_layers, load_model, load_weights, logit_transform
+from .profile import Profile
 
 STOP_EXIT = 0  # a stop on request is a success: the stopped marker says it was not the end
 OOM_EXIT = 5
@@ -526,69 +527,76 @@ def train(config_path: Path, device: str = "auto", deterministic: bool = False) 
     if samples and t.step == 0:
         with memory_errors_told(t, 0, "taking samples"):
             started += take_samples(t, folder.samples)  # what the base answers, to compare with
-    while t.step < max_steps:
-        # a stop asked by `overbrainer stop`: save where we are, say so, end
-        if world.agree(stop_request.exists()):
-            if t.saved_step != t.step:
+    # train.profile: torch.profiler over its steps (a stop or an error inside them writes what was recorded)
+    profile = Profile(cfg.get("profile"), folder.profile, t.device, world.rank, world.size, t.step, max_steps)
+    with profile:
+        while t.step < max_steps:
+            # a stop asked by `overbrainer stop`: save where we are, say so, end
+            if world.agree(stop_request.exists()):
+                profile.finish()  # what it recorded, without the stop's own checkpoint
+                if t.saved_step != t.step:
+                    with memory_errors_told(t, t.step, "saving"):
+                        save(t, t.step)
+                if world.main:
+                    stopped_marker.write_text(json.dumps({"step": t.step, "steps": max_steps}))
+                t.say(f"stopped at step {t.step} on request")
+                world.close()
+                return STOP_EXIT
+
+            # schedule: this step's learning rate and examples (a function of the step alone)
+            started += profile.before(t.step + 1)  # writing a profile is not training time
+            lr = t.scheduler.get_last_lr()[0]
+            phase = phase_of(t.step, warmup, stable)
+            batch = [t.train_set[i] for i in t.order.step(t.step)]
+
+            with memory_errors_told(t):
+                # micro-steps: forward and backward of each micro-batch, gradients summed
+                step_loss, step_tokens = train_step(t, batch)
+                # clip, step, zero_grad: the update, then the gradients' memory given back
+                torch.nn.utils.clip_grad_norm_(t.params, cfg["max_grad_norm"])
+                t.optimizer.step()
+            t.tokens += step_tokens
+            t.scheduler.step()
+            t.optimizer.zero_grad(set_to_none=True)
+            t.step += 1
+            faults.point("train:step")
+
+            # eval, after the update: the validation loss of the weights this step made
+            line = {"step": t.step, "tokens": t.tokens, "loss": round(step_loss, 6), "lr": lr}
+            if t.step % eval_every == 0 or t.step == max_steps:
+                with memory_errors_told(t, t.step, "evaluating"):
+                    value = evaluate(t)
+                line["eval_loss"] = round(value, 6) if value is not None else None
+                t.last["eval_loss"], t.last["eval_step"] = line["eval_loss"], t.step
+            t.seconds = time.monotonic() - started
+            line.update(seconds=round(t.seconds, 3), phase=phase)
+            if profile.records(t.step):
+                line["profiled"] = True  # slower than the others: recorded by torch.profiler
+            if t.device.type == "cuda":
+                # the most GPU memory held so far (as Axolotl logs it): what sizing is held to
+                line["memory"] = hw.peak_memory(t.device)
+            t.last["loss"] = line["loss"]
+
+            # samples, before the step's metrics line: the bake, which follows that file, finds a
+            # step's samples there once it reads the step (their time is not training time)
+            if samples and is_sample_step(t.step, samples["every"], max_steps):
+                with memory_errors_told(t, t.step, "taking samples"):
+                    started += take_samples(t, folder.samples)
+
+            # log: one metrics line a step (the bake follows the file), and the console
+            if world.main:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(line) + "\n")
+            t.say(
+                f"step {t.step}/{max_steps} loss {step_loss:.4f}"
+                + (f" eval {line['eval_loss']:.4f}" if line.get("eval_loss") is not None else "")
+                + f" lr {lr:.3g} {t.tokens / max(t.seconds, 1e-9):.0f} tok/s"
+            )
+
+            # checkpoint, last: a kill anywhere above loses at most this step
+            if t.step % save_every == 0 or t.step == max_steps or t.step in save_at:
                 with memory_errors_told(t, t.step, "saving"):
                     save(t, t.step)
-            if world.main:
-                stopped_marker.write_text(json.dumps({"step": t.step, "steps": max_steps}))
-            t.say(f"stopped at step {t.step} on request")
-            world.close()
-            return STOP_EXIT
-
-        # schedule: this step's learning rate and examples (a function of the step alone)
-        lr = t.scheduler.get_last_lr()[0]
-        phase = phase_of(t.step, warmup, stable)
-        batch = [t.train_set[i] for i in t.order.step(t.step)]
-
-        with memory_errors_told(t):
-            # micro-steps: forward and backward of each micro-batch, gradients summed
-            step_loss, step_tokens = train_step(t, batch)
-            # clip, step, zero_grad: the update, then the gradients' memory given back
-            torch.nn.utils.clip_grad_norm_(t.params, cfg["max_grad_norm"])
-            t.optimizer.step()
-        t.tokens += step_tokens
-        t.scheduler.step()
-        t.optimizer.zero_grad(set_to_none=True)
-        t.step += 1
-        faults.point("train:step")
-
-        # eval, after the update: the validation loss of the weights this step made
-        line = {"step": t.step, "tokens": t.tokens, "loss": round(step_loss, 6), "lr": lr}
-        if t.step % eval_every == 0 or t.step == max_steps:
-            with memory_errors_told(t, t.step, "evaluating"):
-                value = evaluate(t)
-            line["eval_loss"] = round(value, 6) if value is not None else None
-            t.last["eval_loss"], t.last["eval_step"] = line["eval_loss"], t.step
-        t.seconds = time.monotonic() - started
-        line.update(seconds=round(t.seconds, 3), phase=phase)
-        if t.device.type == "cuda":
-            # the most GPU memory held so far (as Axolotl logs it): what sizing is held to
-            line["memory"] = hw.peak_memory(t.device)
-        t.last["loss"] = line["loss"]
-
-        # samples, before the step's metrics line: the bake, which follows that file, finds a
-        # step's samples there once it reads the step (their time is not training time)
-        if samples and is_sample_step(t.step, samples["every"], max_steps):
-            with memory_errors_told(t, t.step, "taking samples"):
-                started += take_samples(t, folder.samples)
-
-        # log: one metrics line a step (the bake follows the file), and the console
-        if world.main:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(line) + "\n")
-        t.say(
-            f"step {t.step}/{max_steps} loss {step_loss:.4f}"
-            + (f" eval {line['eval_loss']:.4f}" if line.get("eval_loss") is not None else "")
-            + f" lr {lr:.3g} {t.tokens / max(t.seconds, 1e-9):.0f} tok/s"
-        )
-
-        # checkpoint, last: a kill anywhere above loses at most this step
-        if t.step % save_every == 0 or t.step == max_steps or t.step in save_at:
-            with memory_errors_told(t, t.step, "saving"):
-                save(t, t.step)
 
     world.close()
     return 0
