@@ -152,14 +152,26 @@ def builtin_options(name: str) -> set[str]:
     return set(words[1:])
 
 
-def set_contender(run: Path, cfg: dict, liger: bool, processes: int = 0, compile: bool = False) -> None:
+def profile_window(steps: int) -> dict:
+    """``--profile``: train.profile over the last 2 steps (the one before them warms the
+    profiler up); the rates leave those 3 out (`PROFILE_TAIL`)."""
+    return {"start": steps - 1, "steps": 2, "memory": False}
+
+
+PROFILE_TAIL = 3
+
+
+def set_contender(run: Path, cfg: dict, liger: bool, processes: int = 0, compile: bool = False,
+                  profile: dict | None = None) -> None:
     """config.yaml as `prepare` wrote it (`cfg`), with the Liger keys (``train.liger``) and
     ``torch_compile`` (``train.compile``: each decoder layer) as given and, for `processes`
     > 0, ``shard`` (``train.shard``) with each step's examples in as many micro-batches, one
-    a process (the same examples a step: the same math)."""
+    a process (the same examples a step: the same math); `profile`: ``train.profile``."""
     import yaml
 
     cfg = dict(cfg)
+    if profile:
+        cfg["profile"] = profile
     # each contender says on or off itself: `liger` false is train.liger false (all the keys
     # false and no `liger` would be train.liger "auto", which is on for a LoRA on CUDA)
     cfg["liger"] = liger
@@ -303,6 +315,21 @@ def worker_trl(run: Path, mode: str, device: str, result: Path) -> None:
     }))
 
 
+def keep_profile(folder: Path, label: str) -> None:
+    """train.profile's files, printed (ops.txt's head) and copied under $OUT as
+    profile-<label>-<file>: the timeline only when small enough to bring back."""
+    if not folder.is_dir():
+        print(f"  {label}: no profile was written", flush=True)
+        return
+    for ops in sorted(folder.glob("ops*.txt")):
+        print("\n".join(ops.read_text().splitlines()[:20]), flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        for f in sorted(folder.iterdir()):
+            if not f.name.startswith(".") and (f.suffix == ".txt" or f.stat().st_size <= 32 * 2**20):
+                shutil.copyfile(f, Path(out) / f"profile-{label}-{f.name}")
+
+
 def run_trl(run: Path, mode: str, device: str, timeout: float) -> dict:
     out = run / f"{mode}.json"
     out.unlink(missing_ok=True)
@@ -340,9 +367,15 @@ def contender(name: str, case: dict, run: Path, cfg: dict, args, peak: float) ->
         if name.startswith("builtin"):
             options = builtin_options(name)
             processes = shard_processes(args.device) if "shard" in options else 0
-            set_contender(run, cfg, liger="liger" in options, processes=processes, compile="compile" in options)
+            profile = profile_window(args.steps) if args.profile else None
+            set_contender(run, cfg, liger="liger" in options, processes=processes, compile="compile" in options,
+                          profile=profile)
+            shutil.rmtree(run / "profile", ignore_errors=True)
             got = run_builtin(run, max(1, (os.cpu_count() or 1) // max(processes, 1)), processes,
                               timeout=args.contender_timeout)
+            if profile:
+                keep_profile(run / "profile", f"{case['name']}-{name}")
+                got["ends"] = got["ends"][:-PROFILE_TAIL]  # the profiled steps and their warm-up are slower
             lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
             memory = max((x.get("memory", 0) for x in lines if "step" in x), default=0) or None
             got["peak_memory"] = memory
@@ -380,6 +413,9 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds for the whole run: a contender that cannot start with 30 s left is skipped")
     ap.add_argument("--contender-timeout", type=float, default=240, help="seconds before one contender is killed")
+    ap.add_argument("--profile", action="store_true",
+                    help="the built-in contenders record their last 2 steps with train.profile (ops.txt printed, "
+                         "copied under $OUT); the rates leave out those steps and the one before them")
     ap.add_argument("--worker"), ap.add_argument("--run"), ap.add_argument("--result")
     args = ap.parse_args()
     if args.worker:

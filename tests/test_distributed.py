@@ -22,7 +22,8 @@ def final(folder: Path) -> bytes:
 def test_two_processes_match_one_and_resume_exactly(project, tmp_path, references):
     one = references.folder(lora_dropout=0.0)
     two = references.folder(lora_dropout=0.0, processes=2)
-    project.write(lora_dropout=0.0, processes=2)
+    # the resumed run profiles two steps on each rank (train.profile changes no weight)
+    project.write(lora_dropout=0.0, processes=2, profile={"start": 6, "steps": 2})
     log = (two / "log.txt").read_text()
     assert "torch.distributed.run" in log and "shared by 2 processes" in log
     meta = json.loads((two / "checkpoints/step-000008/meta.json").read_text())
@@ -38,6 +39,13 @@ def test_two_processes_match_one_and_resume_exactly(project, tmp_path, reference
     assert "resuming from step-000003" in (runs / "tiny" / "log.txt").read_text()
     assert again["state"] == "done"
     assert final(runs / "tiny") == final(two)
+    profile = runs / "tiny" / "profile"
+    assert sorted(p.name for p in profile.iterdir()) == [
+        "ops-rank0.txt", "ops-rank1.txt", "trace-rank0.json.gz", "trace-rank1.json.gz"]
+    for rank in (0, 1):
+        ops = (profile / f"ops-rank{rank}.txt").read_text()
+        assert ops.startswith(f"# steps 6-7 of 8 on cpu (rank {rank} of 2), recorded "), ops[:200]
+        assert "gloo:all_reduce" in ops or "c10d::allreduce_" in ops, ops  # DDP's all-reduce, recorded
 
 
 # -- train.shard: FSDP2 on 2 CPU processes (gloo) ------------------------------------------

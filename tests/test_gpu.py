@@ -7,6 +7,8 @@ under train.deterministic resumes to the same bits."""
 from __future__ import annotations
 
 import json
+import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,9 +36,16 @@ def meta(folder: Path) -> dict:
 def test_parameters_and_batches_are_on_the_gpu(project, tmp_path):
     """The loop's own pieces, in this process: the model built from config.yaml, a batch
     moved as the loop moves it, and the loss computed there."""
-    project.write(device="cuda")
+    project.write(device="cuda", profile={"start": 3, "steps": 2, "memory": True})
     folder = Path(bake_json(str(project.plan_path))["folder"])
     assert meta(folder)["device"] == "cuda:0" and meta(folder)["bf16"] is True  # "auto" on a bf16 GPU
+    # train.profile saw the steps' kernels on the GPU, and the allocator's history there
+    ops = (folder / "profile" / "ops.txt").read_text()
+    assert ops.startswith("# steps 3-4 of 8 on cuda:0, recorded "), ops[:300]
+    busy = float(re.search(r"^# kernels ([0-9.]+) s a step: the GPU busy ", ops, re.M).group(1))
+    assert busy > 0, ops[:600]
+    with open(folder / "profile" / "memory.pickle", "rb") as f:
+        assert pickle.load(f)["segments"]  # the CUDA caching allocator's segments, for memory_viz
     assert "on cuda:0, computing in bf16" in (folder / "log.txt").read_text()
     try:  # train.liger "auto": Liger's kernels where liger_kernel imports
         import liger_kernel.transformers  # noqa: F401
