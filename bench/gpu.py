@@ -225,6 +225,48 @@ def matmul_peak(device: str) -> float:
     return 2 * n**3 * reps / seconds
 
 
+def layer_matmuls(shape: str, tokens: int, device: str) -> float:
+    """FLOP/s of one decoder layer's seven linear layers at `tokens` rows in bf16, forward
+    and backward (X·Wᵀ, dY·W, dYᵀ·X): what the model's own matmul shapes reach here. A full
+    fine-tune's model FLOPs are nearly all these, so this over the peak is about the most
+    MFU a step can have, whatever else it does better."""
+    import torch
+
+    s = SHAPES[shape]
+    h, i = s["hidden_size"], s["intermediate_size"]
+    kv = s["num_key_value_heads"] * h // s["num_attention_heads"]
+    shapes = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)]  # (out, in): q k v o gate up down
+    made = [(torch.randn(tokens, n_in, device=device, dtype=torch.bfloat16),
+             torch.randn(n_out, n_in, device=device, dtype=torch.bfloat16),
+             torch.randn(tokens, n_out, device=device, dtype=torch.bfloat16)) for n_out, n_in in shapes]
+
+    def layer():
+        for x, w, dy in made:
+            x @ w.t(), dy @ w, dy.t() @ x
+
+    cuda = device.startswith("cuda")
+    reps = 20 if cuda else 2
+    layer()
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(reps):
+            layer()
+        end.record()
+        torch.cuda.synchronize()
+        seconds = start.elapsed_time(end) / 1000
+    else:
+        t = time.perf_counter()
+        for _ in range(reps):
+            layer()
+        seconds = time.perf_counter() - t
+    made.clear()
+    if cuda:
+        torch.cuda.empty_cache()
+    return 3 * 2 * tokens * sum(o * n for o, n in shapes) * reps / seconds
+
+
 def step_flops(shape: str, adapter: str, steps: list[list]) -> list[float]:
     """Model FLOPs of each step's examples (the module's docstring says how they count)."""
     s = SHAPES[shape]
@@ -469,14 +511,23 @@ def main() -> int:
         """gpu.json as it stands: after every contender, so a run cut short keeps its rows."""
         if out_json:
             out_json.write_text(json.dumps({"device": args.device, "peak_flops": peak, "rows": rows,
-                                            **(report or {})}, indent=1))
+                                            "layer_matmuls": ceilings, **(report or {})}, indent=1))
 
     rows = []
+    ceilings: dict = {}  # shape: {"tokens", "flops"}: its layer matmuls' rate (layer_matmuls)
     for case in cases:
         if left() < 30:
             rows.append({"case": case["name"], "contender": "(all)", "error": "skipped: --deadline reached"})
             continue
         run, cfg = prepare(case, args)
+        if case["shape"] not in ceilings:
+            steps = batches(run, cfg)
+            tokens = round(sum(len(e.ids) for step in steps for e in step) / len(steps))
+            ceilings[case["shape"]] = {"tokens": tokens, "flops": layer_matmuls(case["shape"], tokens, args.device)}
+            print(f"# the {case['shape']} shape's layer matmuls at {tokens:,} tokens (a step's mean), bf16 forward and "
+                  f"backward: {ceilings[case['shape']]['flops'] / 1e12:.1f} TFLOP/s, "
+                  f"{ceilings[case['shape']]['flops'] / peak:.0%} of the peak (about the most MFU a step can have)",
+                  flush=True)
         # TRL padded (`trl`) only with --padded: on 2026-12-04 it was TRL's slowest (bench/README)
         names = ["builtin", "trl", "trl-padfree"] if args.padded else ["builtin", "trl-padfree"]
         if liger:

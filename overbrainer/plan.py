@@ -174,7 +174,7 @@ class TrainSettings(_Settings):
     bf16: bool | Literal["auto"] = Field(
         default="auto",
         description='Compute in bfloat16 (the adapter and its optimizer stay float32): true, false, or "auto" '
-        "(on a CUDA GPU that has bf16; elsewhere float32: set true to use a CPU's AVX512-BF16 or AMX).",
+        "(on a CUDA GPU that has bf16 and on a CPU with AMX; elsewhere float32: set true to use a CPU's AVX512-BF16).",
     )
     gradient_checkpointing: bool = Field(
         default=False,

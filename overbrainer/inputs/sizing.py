@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import OverbrainerError
+from ..portable.common import cpu_has_amx
 
 __all__ = ["Shape", "Estimate", "model_shape", "estimate", "device_memory", "fit", "GiB"]
 
@@ -230,7 +231,8 @@ def estimate(shape: Shape, *, lora: bool, lora_r: int, targets: list[str], micro
              qlora: bool = False, bf16: bool | str = False, gradient_checkpointing: bool = False,
              shards: int = 1) -> Estimate:
     f32 = 4
-    half = (bf16 is True) or (bf16 == "auto" and device == "cuda")
+    # "auto" on a GPU is resolved by `fit` (its compute capability); on the CPU it is AMX
+    half = (bf16 is True) or (bf16 == "auto" and (device == "cuda" or (device == "cpu" and cpu_has_amx())))
     act = 2 if half else f32
     per_layer_linear = sum(i * o for i, o in shape.modules.values())
     linear = per_layer_linear * shape.layers

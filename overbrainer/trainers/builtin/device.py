@@ -14,6 +14,8 @@ from contextlib import nullcontext
 
 import torch
 
+from ...portable.common import cpu_flags, cpu_has_amx
+
 # cuBLAS's deterministic mode needs a fixed workspace, set before its first call (the
 # trainer's environment carries it; `setup` sets it too, before touching CUDA)
 CUBLAS_WORKSPACE = ":4096:8"
@@ -107,11 +109,14 @@ def pick(setting: str, local_rank: int = 0) -> torch.device:
 
 def use_bf16(setting, device: torch.device) -> bool:
     """Whether to compute in bfloat16: the plan's true or false, or "auto": on a CUDA GPU
-    that computes it natively. On the CPU, "auto" stays float32: set true to use a
-    CPU's AVX512-BF16 or AMX (its results differ from float32's, as a GPU's do; on a CPU
-    without them the trainer says it will be slow, `cpu_has_bf16`)."""
+    that computes it natively, and on a CPU with AMX (2.2x float32's speed there; TRL's
+    SFTConfig computes in bf16 by default too). Elsewhere "auto" stays float32: set true
+    to use a CPU's AVX512-BF16 alone (not measured; its results differ from float32's, as
+    a GPU's do; on a CPU without it the trainer says it will be slow, `cpu_has_bf16`)."""
     if setting != "auto":
         return bool(setting)
+    if device.type == "cpu":
+        return cpu_has_amx()
     return device.type == "cuda" and cuda_has_bf16()
 
 
@@ -135,18 +140,8 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool | None:
     the BF16 extension on Arm (Linux's /proc/cpuinfo flags). Without them PyTorch's bf16
     matmuls are emulated, many times slower than float32's (25x, AVX2-only AMD EPYC, bench
     section 4). None where it cannot tell (no /proc/cpuinfo: macOS, Windows)."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return None
-    flags = set()
-    for line in cpuinfo.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() in ("flags", "Features"):
-            flags.update(value.split())
-    if not flags:
+    flags = cpu_flags(cpuinfo)
+    if flags is None:
         return None
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
