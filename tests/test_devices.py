@@ -472,6 +472,40 @@ def test_a_cpu_without_bf16_instructions_is_told_apart():
     assert cpu_has_bf16() in (True, False, None)
 
 
+def test_bf16_auto_on_the_cpu_is_amx():
+    """train.bf16 "auto" on the CPU: bf16 where AMX is (2.2x float32 there), float32 on an
+    AVX512-BF16 CPU without it (not measured) and on AVX2; the trainer and sizing agree."""
+    import torch
+
+    from overbrainer.inputs.sizing import estimate
+    from overbrainer.portable.common import cpu_has_amx
+    from overbrainer.trainers.builtin.device import use_bf16
+
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
+    assert cpu_has_amx(avx2) is False
+    assert cpu_has_amx(avx2.replace("avx2", "avx2 avx512f avx512_bf16")) is False
+    assert cpu_has_amx(avx2.replace("avx2", "avx2 avx512_bf16 amx_tile amx_bf16 amx_int8")) is True
+    assert cpu_has_amx("processor\t: 0\n") is False
+    cpu = torch.device("cpu")
+    assert use_bf16("auto", cpu) is cpu_has_amx()
+    assert use_bf16(True, cpu) is True and use_bf16(False, cpu) is False
+
+    from overbrainer.inputs.sizing import Shape
+
+    h, i = 576, 1536
+    modules = {"q_proj": (h, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    smollm2 = Shape(params=134_515_008, hidden=h, layers=30, heads=9, kv=192, intermediate=i, vocab=49152,
+                    modules=modules)
+
+    def activations(bf16) -> int:
+        return estimate(smollm2, lora=True, lora_r=8, targets=["q_proj"], micro_batch_size=4,
+                        gradient_accumulation_steps=1, sequence_len=256, device="cpu", total_memory=2**40,
+                        bf16=bf16).activations
+
+    assert (activations("auto") == activations(True)) is cpu_has_amx()
+    assert (activations("auto") == activations(False)) is not cpu_has_amx()
+
+
 def test_what_to_lower_when_the_host_runs_out_depends_on_where_and_when():
     """The OOM killer's line (steps/train.py): before the first step the model's loading is
     what took the memory; later, on the CPU, a micro-batch's activations; on a GPU the host
