@@ -10,6 +10,10 @@ import pytest
 from helpers import bake_json
 from test_resume import kill_bake_at
 
+# float32 where bits are compared with another way of computing: train.bf16 "auto" is bf16 on
+# a CPU with AMX, and FSDP2's bf16 policy (the layers gathered in bf16) is not autocast's
+FP32 = {"lora_dropout": 0.0, "bf16": False}
+
 
 def metric_lines(folder: Path) -> list[dict]:
     return [m for m in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "step" in m]
@@ -20,10 +24,10 @@ def final(folder: Path) -> bytes:
 
 
 def test_two_processes_match_one_and_resume_exactly(project, tmp_path, references):
-    one = references.folder(lora_dropout=0.0)
-    two = references.folder(lora_dropout=0.0, processes=2)
+    one = references.folder(**FP32)
+    two = references.folder(**FP32, processes=2)
     # the resumed run profiles two steps on each rank (train.profile changes no weight)
-    project.write(lora_dropout=0.0, processes=2, profile={"start": 6, "steps": 2})
+    project.write(**FP32, processes=2, profile={"start": 6, "steps": 2})
     log = (two / "log.txt").read_text()
     assert "torch.distributed.run" in log and "shared by 2 processes" in log
     meta = json.loads((two / "checkpoints/step-000008/meta.json").read_text())
@@ -65,8 +69,8 @@ def test_sharded_matches_ddp_bit_for_bit(references, adapter, file):
     """FSDP2 over 2 processes in float32: DDP's losses and DDP's checkpoint, bit for bit
     (2 ranks' reduce-scatter and all-reduce add the same two numbers; AdamW is elementwise
     on the shards), gathered into the layout merge and chat read."""
-    ddp = references.folder(lora_dropout=0.0, processes=2, **({"adapter": adapter} if adapter != "lora" else {}))
-    sharded = references.folder(lora_dropout=0.0, processes=2, shard=True,
+    ddp = references.folder(**FP32, processes=2, **({"adapter": adapter} if adapter != "lora" else {}))
+    sharded = references.folder(**FP32, processes=2, shard=True,
                                 **({"adapter": adapter} if adapter != "lora" else {}))
     assert "shared by 2 processes (sharded: FSDP2)" in (sharded / "log.txt").read_text()
     meta = json.loads((sharded / "checkpoints/step-000008/meta.json").read_text())
@@ -130,8 +134,8 @@ def test_a_sharded_run_takes_the_samples_ddp_takes(references):
     gathered by all), in step; rank 0 writes. The same answers as DDP's at every sampled
     step, and training is untouched (the same weights: the same losses, bit for bit)."""
     settings = {"every": 4, "max_new_tokens": 6, "prompts": ["Hello?", "Name a colour."]}
-    ddp = references.folder(lora_dropout=0.0, processes=2, samples=settings)
-    sharded = references.folder(lora_dropout=0.0, processes=2, shard=True, samples=settings)
+    ddp = references.folder(**FP32, processes=2, samples=settings)
+    sharded = references.folder(**FP32, processes=2, shard=True, samples=settings)
 
     def samples(folder: Path) -> list[dict]:
         return [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
@@ -145,8 +149,9 @@ def test_a_sharded_run_takes_the_samples_ddp_takes(references):
 def test_sharded_alone_is_one_process_bit_for_bit(references, tmp_path):
     """FSDP2 in a world of one (the trainer on a config with shard: true; the plan refuses
     it, and it is what a one-GPU box can test): DTensor slices, the gathered checkpoint
-    and the optimizer state by name change no bit of the unsharded run's."""
-    reference = references.folder(lora_dropout=0.0)
+    and the optimizer state by name change no bit of the unsharded run's (in float32:
+    under bf16, FSDP2 gathers and computes the layers in bf16, which autocast does not)."""
+    reference = references.folder(**FP32)
     run = copy_run(reference, tmp_path / "run", shard=True)
     assert "(sharded: FSDP2)" in run_trainer(run)
     assert final(run) == final(reference)
