@@ -48,6 +48,7 @@ import shutil
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -196,6 +197,27 @@ def shard_processes(device: str) -> int:
 # --- the peak, and the FLOPs of a step -----------------------------------------------------
 
 
+def timed(work, reps: int, device: str, warm: int = 1) -> float:
+    """Seconds that `reps` calls of `work` take on `device` (CUDA events there), after `warm`."""
+    import torch
+
+    for _ in range(warm):
+        work()
+    if not device.startswith("cuda"):
+        t = time.perf_counter()
+        for _ in range(reps):
+            work()
+        return time.perf_counter() - t
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        work()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1000
+
+
 def matmul_peak(device: str) -> float:
     """FLOP/s of a bf16 matmul on `device`, measured (random data: zeros run faster)."""
     import torch
@@ -203,22 +225,7 @@ def matmul_peak(device: str) -> float:
     n, reps = (8192, 20) if device.startswith("cuda") else (1024, 5)
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    if device.startswith("cuda"):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(reps):
-            a @ b
-        end.record()
-        torch.cuda.synchronize()
-        seconds = start.elapsed_time(end) / 1000
-    else:
-        t = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        seconds = time.perf_counter() - t
+    seconds = timed(partial(torch.mm, a, b), reps, device, warm=3)
     del a, b
     if device.startswith("cuda"):
         torch.cuda.empty_cache()  # nothing of it held while the contenders train
@@ -246,21 +253,7 @@ def layer_matmuls(shape: str, tokens: int, device: str) -> float:
 
     cuda = device.startswith("cuda")
     reps = 20 if cuda else 2
-    layer()
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(reps):
-            layer()
-        end.record()
-        torch.cuda.synchronize()
-        seconds = start.elapsed_time(end) / 1000
-    else:
-        t = time.perf_counter()
-        for _ in range(reps):
-            layer()
-        seconds = time.perf_counter() - t
+    seconds = timed(layer, reps, device)
     made.clear()
     if cuda:
         torch.cuda.empty_cache()

@@ -473,7 +473,7 @@ def test_a_cpu_without_bf16_instructions_is_told_apart():
 
 
 def test_bf16_auto_on_the_cpu_is_amx():
-    """train.bf16 "auto" on the CPU: bf16 where AMX is (2.2x float32 there), float32 on an
+    """train.bf16 "auto" on the CPU: bf16 where AMX is (1.6-2.2x float32 there), float32 on an
     AVX512-BF16 CPU without it (not measured) and on AVX2; the trainer and sizing agree."""
     import torch
 

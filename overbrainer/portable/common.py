@@ -82,7 +82,7 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str] | None:
 
 def cpu_has_amx(cpuinfo: str | None = None) -> bool:
     """Whether this CPU has Intel AMX's bf16 tiles (Sapphire Rapids and newer Xeons), where
-    bf16 training measured 2.2x float32's speed (bench section 4): train.bf16 "auto" there."""
+    bf16 training measured 1.6-2.2x float32's speed (bench section 4): train.bf16 "auto" there."""
     return "amx_bf16" in (cpu_flags(cpuinfo) or ())
 
 

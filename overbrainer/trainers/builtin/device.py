@@ -109,7 +109,7 @@ def pick(setting: str, local_rank: int = 0) -> torch.device:
 
 def use_bf16(setting, device: torch.device) -> bool:
     """Whether to compute in bfloat16: the plan's true or false, or "auto": on a CUDA GPU
-    that computes it natively, and on a CPU with AMX (2.2x float32's speed there; TRL's
+    that computes it natively, and on a CPU with AMX (1.6-2.2x float32's speed there; TRL's
     SFTConfig computes in bf16 by default too). Elsewhere "auto" stays float32: set true
     to use a CPU's AVX512-BF16 alone (not measured; its results differ from float32's, as
     a GPU's do; on a CPU without it the trainer says it will be slow, `cpu_has_bf16`)."""
