@@ -402,6 +402,12 @@ def run(bake: Bake, inputs: dict) -> Outputs:
 
     train = bake.plan.train
     samples = sample_settings(train, bake.folder.examples)  # a refusal before any slower check
+    steps = schedule_steps(train, inputs["train_rows"])
+    if train.profile and train.profile.last > steps["max_steps"]:
+        raise OverbrainerError(
+            f"config: train.profile records steps {train.profile.start}-{train.profile.last}, and this run has "
+            f"{steps['max_steps']}; lower train.profile.start or train.profile.steps"
+        )
     # what bake.formats asks must be possible for this model before anything trains
     # (the train step asks again: the formats may change while config stays done)
     check_formats(list(bake.plan.bake.formats), json.loads((Path(inputs["base_folder"]) / "config.json").read_text()),
@@ -417,12 +423,6 @@ def run(bake: Bake, inputs: dict) -> Outputs:
     warnings = reasoning_warnings(bake.folder.examples, bake.data_paths, Path(inputs["base_folder"]))
     for warning in warnings:
         bake.say(f"warning: {warning}")
-    steps = schedule_steps(train, inputs["train_rows"])
-    if train.profile and train.profile.last > steps["max_steps"]:
-        raise OverbrainerError(
-            f"config: train.profile records steps {train.profile.start}-{train.profile.last}, and this run has "
-            f"{steps['max_steps']}; lower train.profile.start or train.profile.steps"
-        )
     base_folder = inputs["base_folder"]
     memory = size(train, Path(base_folder))
     if memory.micro_batch_size != train.micro_batch_size:
