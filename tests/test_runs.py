@@ -16,7 +16,7 @@ import pytest
 from helpers import bake_json, cli, hold_at_step, stop_held, trainers_of
 
 import overbrainer
-from overbrainer import Run
+from overbrainer import Run, journal
 
 STEPS = 40
 
@@ -98,7 +98,6 @@ def test_stop_and_resume_twice_is_bitwise_equal(long_project, tmp_path, referenc
 def test_a_step_of_the_wall_clock_leaves_a_live_run_running(tmp_path):
     """NTP stepping the clock, or a virtual machine resumed from a snapshot, moves every
     process's wall-clock create time at once: a live run must not then look dead."""
-    from overbrainer import journal
 
     me = journal.this_process()  # this test's process stands for the run's
     assert journal.alive(me) and isinstance(me["ticks"], int) and me["boot"]
@@ -124,6 +123,8 @@ def test_killed_run_shows_failed_then_resumes(long_project, tmp_path, reference)
     supervisor = psutil.Process(run.status["process"]["pid"])
     os.killpg(os.getpgid(supervisor.pid), signal.SIGKILL)
     until(lambda: not trainers_of(run.folder.root), what="the trainer to die")
+    # SIGKILL lands when the kernel gets to it: the trainer can be gone while the bake is not yet
+    until(lambda: not journal.alive(run.status["process"]), what="the bake to die")
     status = json.loads(cli("status", str(run.folder.root), "--json").stdout)
     assert status["state"] == "failed" and status["reason"] == "process ended without saying so"
     assert "process ended without saying so" in cli("--runs", str(runs), "status").stdout
