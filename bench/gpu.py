@@ -154,12 +154,14 @@ def builtin_options(name: str) -> set[str]:
 
 
 def profile_window(steps: int) -> dict:
-    """``--profile``: train.profile over the last 2 steps (the one before them warms the
-    profiler up); the rates leave those 3 out (`PROFILE_TAIL`)."""
-    return {"start": steps - 1, "steps": 2, "memory": False}
+    """``--profile``: train.profile over the 2 steps before the last (the one before them
+    warms the profiler up; the last step is left out, as a recorded step runs to the next
+    one's top and the run's end has its final checkpoint); the rates leave those 4 out
+    (`PROFILE_TAIL`)."""
+    return {"start": steps - 2, "steps": 2, "memory": False}
 
 
-PROFILE_TAIL = 3
+PROFILE_TAIL = 4
 
 
 def set_contender(run: Path, cfg: dict, liger: bool, processes: int = 0, compile: bool = False,
@@ -449,8 +451,8 @@ def main() -> int:
                     help="seconds for the whole run: a contender that cannot start with 30 s left is skipped")
     ap.add_argument("--contender-timeout", type=float, default=240, help="seconds before one contender is killed")
     ap.add_argument("--profile", action="store_true",
-                    help="the built-in contenders record their last 2 steps with train.profile (ops.txt printed, "
-                         "copied under $OUT); the rates leave out those steps and the one before them")
+                    help="the built-in contenders record the 2 steps before their last with train.profile (ops.txt "
+                         "printed, copied under $OUT); the rates leave out the last 4 steps")
     ap.add_argument("--worker"), ap.add_argument("--run"), ap.add_argument("--result")
     args = ap.parse_args()
     if args.worker:

@@ -474,7 +474,8 @@ def test_a_cpu_without_bf16_instructions_is_told_apart():
 
 def test_bf16_auto_on_the_cpu_is_amx():
     """train.bf16 "auto" on the CPU: bf16 where AMX is (1.6-2.2x float32 there), float32 on an
-    AVX512-BF16 CPU without it (not measured) and on AVX2; the trainer and sizing agree."""
+    AVX512-BF16 CPU without it (not measured) and on AVX2; the trainer and sizing agree, and
+    sizing takes Axolotl's "auto" as float32 on a CPU (Axolotl's rule)."""
     import torch
 
     from overbrainer.inputs.sizing import estimate
@@ -504,6 +505,15 @@ def test_bf16_auto_on_the_cpu_is_amx():
 
     assert (activations("auto") == activations(True)) is cpu_has_amx()
     assert (activations("auto") == activations(False)) is not cpu_has_amx()
+    # Axolotl's "auto" is a GPU's only: sized as float32 on any CPU
+    from overbrainer.inputs.sizing import fit
+
+    def fitted(bf16, auto_on_cpu) -> int:
+        return fit(smollm2, lora=True, lora_r=8, targets=["q_proj"], micro_batch_size=4, gradient_accumulation_steps=1,
+                   sequence_len=256, device="cpu", total_memory=2**40, bf16=bf16, auto_on_cpu=auto_on_cpu).activations
+
+    assert fitted("auto", auto_on_cpu=False) == fitted(False, auto_on_cpu=True)
+    assert fitted("auto", auto_on_cpu=True) == activations("auto")
 
 
 def test_what_to_lower_when_the_host_runs_out_depends_on_where_and_when():

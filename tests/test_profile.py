@@ -47,9 +47,9 @@ def test_a_profile_of_its_steps_changes_no_weight(project, tmp_path, references)
     assert "CPU Mem" in ops
     recorded, names = trace_steps(folder)
     assert recorded == 2 and "aten::mm" in names
-    assert profiled_steps(folder) == [3, 4]
+    assert profiled_steps(folder) == [2, 3, 4]  # with the step that warmed the profiler up
     log = folder.log.read_text()
-    assert "profiled steps 3-4 on cpu: profile/trace.json.gz, profile/ops.txt (timeline: https://ui.perfetto.dev)" in log
+    assert "profiled steps 3-4 on cpu: profile/ops.txt, profile/trace.json.gz (timeline: https://ui.perfetto.dev)" in log
 
     # recording changes no weight: the final adapter is the reference run's, which records nothing
     assert final_weights(folder.root) == final_weights(references.folder())
@@ -86,7 +86,7 @@ def test_a_stop_inside_the_window_writes_what_was_recorded_and_the_rerun_records
     assert rest.startswith(f"# {shown} of 8 on cpu, recorded "), rest[:200]
     assert "(no warm-up step before them" in rest.splitlines()[0]  # the step before ran in the first process
     assert trace_steps(folder)[0] == len(left)
-    assert profiled_steps(folder) == [3, 4, 5, 6]
+    assert profiled_steps(folder) == [2, 3, 4, 5, 6]
     assert final_weights(folder.root) == final_weights(references.folder())
 
 
@@ -107,3 +107,28 @@ def test_axolotl_refuses_a_profile_in_the_plan(project):
     line = out.stderr.strip().splitlines()[-1]
     assert "train.profile records the built-in trainer's steps; remove it, or set train.trainer to builtin" in line
     assert "Traceback" not in out.stderr
+
+
+def test_the_gpu_busy_time_counts_overlapping_kernels_once():
+    """ops.txt's kernel time on a GPU: the union of the kernels' intervals (NCCL's beside the
+    compute's count once), without the step annotations that span the whole step or the
+    CPU's own events."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from overbrainer.trainers.builtin.profile import kernel_seconds
+
+    def event(start, end, device=DeviceType.CUDA, annotation=False):
+        return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end), device_type=device,
+                               is_user_annotation=annotation)
+
+    events = [
+        event(0, 1_000_000, annotation=True),  # ProfilerStep#1 on the GPU's timeline
+        event(0, 300_000, device=DeviceType.CPU),  # an operator on the host
+        event(10_000, 110_000), event(50_000, 150_000),  # overlapping: 140 ms together
+        event(150_000, 160_000),  # touching the last: 10 ms more
+        event(400_000, 400_500), event(400_100, 400_200),  # one inside another: 0.5 ms
+    ]
+    assert kernel_seconds(events) == 0.1505
+    assert kernel_seconds([]) == 0.0

@@ -280,13 +280,14 @@ def fit(shape: Shape, *, lora: bool, lora_r: int, targets: list[str], micro_batc
         gradient_accumulation_steps: int, sequence_len: int, device: str | None = None,
         total_memory: int | None = None, qlora: bool = False, bf16: bool | str = False,
         gradient_checkpointing: bool = False, device_setting: str = "auto", processes: int = 1,
-        shards: int = 1) -> Estimate:
+        shards: int = 1, auto_on_cpu: bool = True) -> Estimate:
     """The largest micro-batch (halving from the plan's) that fits, with gradient
     accumulation raised to keep the plan's examples per step. Refuses, in one line with
     the numbers, when even a micro-batch of one does not fit.
 
     Several processes on CPU share the machine's memory (each holds the model); on CUDA
-    each has its own GPU."""
+    each has its own GPU. `auto_on_cpu`: whether bf16 "auto" computes in bf16 on a CPU with
+    AMX (the built-in trainer's rule; Axolotl's "auto" is bf16 on a GPU only)."""
     if device is None or total_memory is None:
         gpu = _visible_gpu(device_setting)
         if gpu is not None:
@@ -298,6 +299,8 @@ def fit(shape: Shape, *, lora: bool, lora_r: int, targets: list[str], micro_batc
             device, total_memory = _host_memory(device_setting)
             if processes > 1:
                 total_memory //= processes
+    if bf16 == "auto" and device != "cuda" and not auto_on_cpu:
+        bf16 = False
     per_step = micro_batch_size * gradient_accumulation_steps
     mbs = micro_batch_size
     while True:

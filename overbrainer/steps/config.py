@@ -242,6 +242,7 @@ def size(train: TrainSettings, base_folder: Path):
         micro_batch_size=train.micro_batch_size,
         gradient_accumulation_steps=train.gradient_accumulation_steps,
         sequence_len=train.sequence_len,
+        auto_on_cpu=train.trainer == "builtin",
     )
 
 

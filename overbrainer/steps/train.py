@@ -228,7 +228,7 @@ def foresee(bake: Bake) -> str | None:
                                                "gradient_accumulation_steps": old["gradient_accumulation_steps"]})
     cfg = build_config(train, old["base_model"], schedule_steps(train, split.summary["train"]),
                        old.get("special_tokens", {}), bake.plan.trust_remote_code, old.get("chat_template_jinja"))
-    cfg = {k: v for k, v in cfg.items() if k not in HOW_IT_COMPUTES}
+    cfg = {k: v for k, v in cfg.items() if k not in HOW_IT_COMPUTES + WATCHING}
     foreseen = {**now, "config": {**cfg, "base_model": now["config"]["base_model"]}}
     return reuse_note(bake, foreseen, fingerprint(NAME, VERSION, foreseen))
 

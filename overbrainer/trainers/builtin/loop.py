@@ -110,7 +110,8 @@ def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = 
     hw.configure(device, deterministic, cfg.get("tf32") in (True, "auto"))
     world.connect(device)
     torch.manual_seed(cfg["seed"])  # the same initial adapter on every rank
-    bf16 = hw.use_bf16(cfg.get("bf16", False), device)
+    # every rank computes as rank 0 does: "auto" reads the machine, and nodes may differ
+    bf16 = world.agree(hw.use_bf16(cfg.get("bf16", False), device))
     if cfg.get("liger", "auto") == "auto" and not any(cfg.get(k) for k in hw.LIGER_KEYS):
         # train.liger "auto" (config.yaml names no Liger kernel): where they were measured to help
         cfg.update(dict.fromkeys(hw.LIGER_KEYS, hw.use_liger(device, cfg, world.size, deterministic)))
