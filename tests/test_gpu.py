@@ -42,7 +42,7 @@ def test_parameters_and_batches_are_on_the_gpu(project, tmp_path):
     # train.profile saw the steps' kernels on the GPU, and the allocator's history there
     ops = (folder / "profile" / "ops.txt").read_text()
     assert ops.startswith("# steps 3-4 of 8 on cuda:0, recorded "), ops[:300]
-    busy = float(re.search(r"^# kernels ([0-9.]+) s a step: the GPU busy ", ops, re.M).group(1))
+    busy = float(re.search(r"^# kernels ran ([0-9.]+) s a step: the GPU busy ", ops, re.M).group(1))
     assert busy > 0, ops[:600]
     with open(folder / "profile" / "memory.pickle", "rb") as f:
         assert pickle.load(f)["segments"]  # the CUDA caching allocator's segments, for memory_viz

@@ -98,7 +98,6 @@ def test_stop_and_resume_twice_is_bitwise_equal(long_project, tmp_path, referenc
 def test_a_step_of_the_wall_clock_leaves_a_live_run_running(tmp_path):
     """NTP stepping the clock, or a virtual machine resumed from a snapshot, moves every
     process's wall-clock create time at once: a live run must not then look dead."""
-
     me = journal.this_process()  # this test's process stands for the run's
     assert journal.alive(me) and isinstance(me["ticks"], int) and me["boot"]
     written_before_the_step = {**me, "create_time": me["create_time"] - 30}

@@ -545,7 +545,7 @@ def train(config_path: Path, device: str = "auto", deterministic: bool = False) 
                 return STOP_EXIT
 
             # schedule: this step's learning rate and examples (a function of the step alone)
-            started += profile.before(t.step + 1)  # writing a profile is not training time
+            started += profile.before(t.step + 1)  # starting or writing a profile is not training time
             lr = t.scheduler.get_last_lr()[0]
             phase = phase_of(t.step, warmup, stable)
             batch = [t.train_set[i] for i in t.order.step(t.step)]

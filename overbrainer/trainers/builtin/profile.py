@@ -47,7 +47,6 @@ class Profile:
         self.current, self.mark = 0, 0.0  # the step under way while recording, and when it began
         self.recorded: list[int] = []  # the steps recorded so far
         self.walls: list[float] = []  # their wall times
-        self.written: list[Path] = []
         window = range(settings["start"], settings["start"] + settings["steps"]) if settings else range(0)
         self.todo = [k for k in window if k > done]  # a resumed run records what is left
         self.memory = bool(settings and settings.get("memory"))
@@ -170,25 +169,24 @@ class Profile:
 
     def _write(self, prof) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.written = []
-        failures = []
+        written, failures = [], []
         for name, write in ((f"ops{self.suffix}.txt", lambda path: Path(path).write_text(self._table(prof))),
                             (f"trace{self.suffix}.json.gz", prof.export_chrome_trace),
                             (f"memory{self.suffix}.pickle", torch.cuda.memory._dump_snapshot)):
             if name.startswith("memory") and not self.cuda_memory:
                 continue
             try:
-                self._atomic(name, write)
+                written.append(self._atomic(name, write))
             except Exception as e:  # noqa: BLE001 - the other files still come
                 failures.append(f"{name}: {e}")
-        named = ", ".join(f"{self.folder.name}/{p.name}" for p in self.written)
+        named = ", ".join(f"{self.folder.name}/{p.name}" for p in written)
         if named:
             print(f"profiled {self._steps()} on {self.where}: {named} (timeline: {TRACE_VIEWER}"
                   + (f"; memory: {MEMORY_VIEWER}" if self.cuda_memory else "") + ")", flush=True)
         for failure in failures:
             print(f"warning: the profile of {self._steps()}: {failure} was not written", flush=True)
 
-    def _atomic(self, name: str, write) -> None:
+    def _atomic(self, name: str, write) -> Path:
         path = self.folder / name
         tmp = self.folder / f".tmp-{name}"  # the trace's ".gz" ending kept: torch compresses by it
         try:
@@ -196,7 +194,7 @@ class Profile:
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
-        self.written.append(path)
+        return path
 
     def _table(self, prof) -> str:
         n = len(self.recorded)
