@@ -123,7 +123,7 @@ def prepare(args) -> tuple[Path, dict]:
         steps=args.steps, micro_batch_size=args.batch, gradient_accumulation_steps=args.gas,
         sequence_len=args.seq, lora_r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
         learning_rate=args.lr, save_every=10**6, eval_every=10**6, seed=0,
-        group_by_length=not args.no_group_by_length, bf16=args.bf16,
+        group_by_length=not args.no_group_by_length, bf16=args.bf16, compile=args.compile,
     )
     steps = schedule_steps(settings, summary.train)
     cfg = build_config(settings, str(base), steps, special_tokens(base),
@@ -262,6 +262,7 @@ def worker_trl(run: Path, mode: str, threads: int, packed_batch: int) -> dict:
         lr_scheduler_kwargs={k: kw[k] for k in ("num_stable_steps", "num_decay_steps", "warmup_type", "decay_type",
                                                 "min_lr_ratio")},
         bf16=bf16, fp16=False, gradient_checkpointing=False, use_cpu=True, seed=cfg["seed"],
+        torch_compile=bool(cfg.get("torch_compile")),
         logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
         dataloader_num_workers=0, train_sampling_strategy="sequential",
         max_length=None if mode == "trl-padfree" else cfg["sequence_len"],
@@ -431,6 +432,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bf16", action="store_true",
                     help="both sides compute in bf16 (the base in bf16, the adapter float32; TRL: bf16=True)")
+    ap.add_argument("--compile", action="store_true",
+                    help="both sides compiled: the built-in's train.compile (each decoder layer), TRL's "
+                         "torch_compile=True (the whole model); the first steps compile (raise --skip)")
     ap.add_argument("--no-group-by-length", action="store_true",
                     help="each step's conversations drawn at random (train.group_by_length false)")
     ap.add_argument("--packed-batch", type=int, default=2)
@@ -459,7 +463,7 @@ def main() -> None:
     lengths = sorted(len(e.ids) for s in steps for e in s)
     print(f"# model {args.model} ({cfg['base_model']}), {args.chats} chats of {lengths[0]}-{lengths[-1]} tokens "
           f"(median {lengths[len(lengths) // 2]}), {args.steps} steps of {args.batch}x{args.gas}, seq {args.seq}, "
-          f"LoRA r={args.lora_r} on {','.join(cfg['lora_target_modules'])}, {'bf16' if args.bf16 else 'fp32'}, "
+          f"LoRA r={args.lora_r} on {','.join(cfg['lora_target_modules'])}, {'bf16' if args.bf16 else 'fp32'}{', compiled' if args.compile else ''}, "
           f"{'grouped by length' if cfg.get('group_by_length') else 'random batches'}, {args.threads} threads, "
           f"TRL {'with' if args.peer_malloc else 'without'} the built-in trainer's allocator settings; "
           f"steady state: steps {args.skip + 1}-{args.steps}", flush=True)

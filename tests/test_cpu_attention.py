@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from overbrainer.trainers.builtin import cpu_attention
-from overbrainer.trainers.builtin.cpu_attention import CausalAttention
+from overbrainer.trainers.builtin.cpu_attention import causal_attention
 
 
 def inputs(batch, heads, kv_heads, length, dim=64, dtype=torch.float32, seed=0):
@@ -34,7 +34,7 @@ def sdpa(q, k, v):
 
 
 def ours(q, k, v):
-    return CausalAttention.apply(q, k, v, q.shape[-1] ** -0.5)
+    return causal_attention(q, k, v, q.shape[-1] ** -0.5).transpose(1, 2)
 
 
 @pytest.mark.parametrize("shared_in_kernel", [True, False], ids=["torch-gqa", "repeated-heads"])
@@ -104,8 +104,8 @@ def test_the_trainer_takes_it_for_bf16_training_on_the_cpu_only(tiny_model, tmp_
     assert model.config._attn_implementation == cpu_attention.NAME
 
     calls = []
-    apply = CausalAttention.apply
-    monkeypatch.setattr(CausalAttention, "apply", lambda *a: calls.append(a[0].shape) or apply(*a))
+    attend = cpu_attention.causal_attention
+    monkeypatch.setattr(cpu_attention, "causal_attention", lambda *a: calls.append(a[0].shape) or attend(*a))
     layers = model.config.num_hidden_layers
 
     def batch(length):
@@ -130,3 +130,43 @@ def test_the_trainer_takes_it_for_bf16_training_on_the_cpu_only(tiny_model, tmp_
     model.get_base_model().save_pretrained(tmp_path / "saved")
     assert cpu_attention.NAME not in (tmp_path / "saved" / "config.json").read_text()
     assert "attn_implementation" not in json.loads((tmp_path / "saved" / "config.json").read_text())
+
+
+def test_compiled_layers_call_it_at_every_length_without_recompiling(tiny_model):
+    """train.compile: the compiled decoder layers call it as an operator of their own, so a
+    new length is not a new compilation (traced, its backward's loop over blocks tied each
+    compiled layer to one length, and past dynamo's recompile limit the layers ran eagerly,
+    silently); the compiled loss and gradients are the eager ones, within bf16's rounding."""
+    from torch._dynamo.utils import counters
+
+    from overbrainer.trainers.builtin.model import Decoder, TokenLoss, load_model
+
+    cfg = {"base_model": str(tiny_model), "adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+           "lora_target_modules": ["q_proj", "v_proj"]}
+    cpu = torch.device("cpu")
+
+    def train(model, length):
+        ids = torch.randint(5, 200, (2, length), generator=torch.Generator().manual_seed(length))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = TokenLoss(mask=False)(Decoder(model), {"input_ids": ids, "labels": ids.clone()})
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        model.zero_grad()
+        return loss.detach(), grads
+
+    torch.manual_seed(0)
+    eager, _ = load_model(cfg, cpu, bf16=True)
+    torch.manual_seed(0)  # the same adapter
+    compiled, _ = load_model({**cfg, "torch_compile": True}, cpu, bf16=True)
+    assert compiled.config._attn_implementation == cpu_attention.NAME
+    torch._dynamo.reset()
+    counters.clear()
+    seen = []
+    for length in (24, 37, 61, 90):
+        (a, a_grads), (b, b_grads) = train(eager, length), train(compiled, length)
+        assert torch.allclose(a, b, rtol=2e-2), (length, a, b)
+        for x, y in zip(a_grads, b_grads):
+            assert torch.allclose(x, y, rtol=5e-2, atol=5e-2 * float(x.abs().max())), length
+        seen.append(counters["stats"]["unique_graphs"])
+    # the first layer's input needs no gradient and the others' do: two graphs, then none
+    assert seen[0] <= 2 and seen[-1] == seen[0], seen

@@ -29,25 +29,57 @@ LONGEST = 512
 KEY_HEADS_SHARED = torch.__version__ >= "2.10"  # TorchVersion: compared as a version, not text
 
 
-class CausalAttention(torch.autograd.Function):
-    """out = softmax(q kᵀ · scale + causal) v, for q (B, H, T, D) and k, v (B, H/G, T, D)."""
+@torch.library.custom_op("overbrainer::causal_attention", mutates_args=())
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, T, H, D), the rows' log-sum-exp (B, H, T) in float32): sdpa's CPU flash
+    kernel. An operator of its own, opaque to torch.compile, so that compiled decoder
+    layers call it as it is, for any length (traced, the backward's loop over blocks would
+    tie a compiled layer to one length); its outputs' layouts are fixed for the same
+    reason (the kernel's follow the query's)."""
+    kq, vq = k, v
+    if k.shape[1] != q.shape[1] and not KEY_HEADS_SHARED:
+        kq, vq = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kq, vq, 0.0, True, attn_mask=None,
+                                                                          scale=scale)
+    return out.transpose(1, 2).contiguous(), lse.contiguous()
 
-    @staticmethod
-    def forward(ctx, q, k, v, scale):
-        kq, vq = k, v
-        if k.shape[1] != q.shape[1] and not KEY_HEADS_SHARED:
-            kq, vq = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, kq, vq, 0.0, True, attn_mask=None, scale=scale
-        )
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale = scale
-        return out
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        return (*attention_backward(q, k, v, out, lse, grad_out, ctx.scale), None)
+@_attend.register_fake
+def _(q, k, v, scale):
+    B, H, T, D = q.shape
+    return q.new_empty(B, T, H, D), q.new_empty(B, H, T, dtype=torch.float32)
+
+
+@torch.library.custom_op("overbrainer::causal_attention_backward", mutates_args=())
+def _attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                     grad_out: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), `attention_backward`'s; `out` and `grad_out` as `_attend` returns them."""
+    return attention_backward(q, k, v, out.transpose(1, 2), lse, grad_out.transpose(1, 2), scale)
+
+
+@_attend_backward.register_fake
+def _(q, k, v, out, lse, grad_out, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _save(ctx, inputs, output):
+    q, k, v, scale = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.scale = scale
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    return (*_attend_backward(q, k, v, out, lse, grad_out.contiguous(), ctx.scale), None)
+
+
+_attend.register_autograd(_backward, setup_context=_save)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """out = softmax(q kᵀ · scale + causal) v, for q (B, H, T, D) and k, v (B, H/G, T, D):
+    (B, T, H, D), the layout transformers' attention interface returns."""
+    return _attend(q, k, v, scale)[0]
 
 
 def attention_backward(q, k, v, out, lse, grad_out, scale: float, block: int = BLOCK):
@@ -102,8 +134,7 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = CausalAttention.apply(query, key, value, scale)
-    return out.transpose(1, 2).contiguous(), None
+    return causal_attention(query, key, value, scale), None
 
 
 def applies(module, query, key, value, attention_mask, dropout, is_causal, kwargs) -> bool:
