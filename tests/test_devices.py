@@ -530,3 +530,56 @@ def test_what_to_lower_when_the_host_runs_out_depends_on_where_and_when():
     on_gpus = host_memory_fix({"adapter": None}, 5, "cuda", 4)
     assert on_gpus == "fewer train.processes (4 each hold the model in this machine's memory), or a smaller base, " \
                       "or a machine with more memory"
+
+
+def test_compile_auto_is_a_long_bf16_lora_on_the_cpu(monkeypatch):
+    """train.compile "auto": on for a LoRA in bf16 on the CPU in one process for 100 steps
+    or more where a C++ compiler is at hand (measured 1.40x there); off in float32, for
+    shorter runs, a full fine-tune or QLoRA, several processes, deterministic kernels, on a
+    GPU and without a compiler. Axolotl gets false for it (its own "auto" means on)."""
+    import torch
+
+    from overbrainer.steps.config import build_config
+    from overbrainer.trainers.builtin import device as hw
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    long = {"adapter": "lora", "max_steps": hw.COMPILE_FROM_STEPS}
+    monkeypatch.setenv("CXX", "sh")  # any program on PATH stands for the compiler
+    assert hw.use_compile(cpu, long, bf16=True)
+    assert not hw.use_compile(cpu, long, bf16=False)
+    assert not hw.use_compile(cpu, {**long, "max_steps": hw.COMPILE_FROM_STEPS - 1}, bf16=True)
+    for adapter in ("full", "qlora", None):
+        assert not hw.use_compile(cpu, {**long, "adapter": adapter}, bf16=True), adapter
+    assert not hw.use_compile(cpu, long, bf16=True, processes=2)
+    assert not hw.use_compile(cpu, long, bf16=True, deterministic=True)
+    assert not hw.use_compile(gpu, long, bf16=True)
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    assert not hw.use_compile(cpu, long, bf16=True)
+
+    steps, tokens = {"max_steps": 8, "warmup": 1, "stable": 5, "decay": 2}, {}
+    assert build_config(TrainSettings(), "../base", steps, tokens)["torch_compile"] == "auto"
+    assert build_config(TrainSettings(trainer="axolotl"), "../base", steps, tokens)["torch_compile"] is False
+    for value in (True, False):
+        for trainer in ("builtin", "axolotl"):
+            cfg = build_config(TrainSettings(compile=value, trainer=trainer), "../base", steps, tokens)
+            assert cfg["torch_compile"] is value
+    # an explicit compile is what keeps Liger's auto off on a GPU (not measured together)
+    assert not hw.use_liger(gpu, {"adapter": "lora", "torch_compile": True})
+
+
+def test_compile_auto_compiles_a_long_bf16_lora_trained_on_the_cpu(project):
+    """A bake of 100 steps in bf16 on the CPU with compile left at "auto": the trainer says
+    its layers are compiled and the checkpoint records it; a greedy sample is taken from
+    the layers as they are (eager), and the run ends as any other."""
+    from overbrainer.trainers.builtin.device import cpp_compiler
+
+    if cpp_compiler() is None:
+        pytest.skip("no C++ compiler here: auto leaves compile off")
+    project.write(steps=100, bf16=True, save_every=100, eval_every=100, micro_batch_size=1,
+                  gradient_accumulation_steps=1, samples={"every": 100, "prompts": ["Hi"], "max_new_tokens": 4})
+    bake_json(str(project.plan_path), "--runs", str(project.root / "runs"))
+    folder = project.root / "runs" / "tiny"
+    assert "its decoder layers compiled" in (folder / "log.txt").read_text()
+    last = json.loads((folder / "checkpoints" / "step-000100" / "meta.json").read_text())
+    assert last["compile"] is True and last["bf16"] is True
+    assert (folder / "samples.jsonl").read_text().count('"step": 100') == 1

@@ -186,7 +186,9 @@ def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: di
         "flash_attention": False,
         "sdp_attention": True,
         "gradient_checkpointing": train.gradient_checkpointing,
-        "torch_compile": train.compile,
+        # "auto" is the built-in trainer's own: Axolotl's means on wherever torch has compile
+        # (2.5.1 and later; read in its 0.19 wheel)
+        "torch_compile": train.compile if train.trainer == "builtin" or train.compile != "auto" else False,
         # Axolotl's names for Liger's kernels (its LigerPlugin); the built-in trainer reads them too
         "liger_rope": train.liger is True or None,
         "liger_rms_norm": train.liger is True or None,

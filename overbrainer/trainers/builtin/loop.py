@@ -32,7 +32,15 @@ from ..dist import World
 from ..examples import Example, Order, collate, load_examples, micro_batches
 from ..samples import answer, is_sample_step, prompt_text
 from . import device as hw
-from .model import Decoder, TokenLoss, decoder_layers, load_model, load_weights, logit_transform
+from .model import (
+    Decoder,
+    TokenLoss,
+    decoder_layers,
+    eager,
+    load_model,
+    load_weights,
+    logit_transform,
+)
 from .profile import Profile
 
 STOP_EXIT = 0  # a stop on request is a success: the stopped marker says it was not the end
@@ -112,6 +120,14 @@ def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = 
     torch.manual_seed(cfg["seed"])  # the same initial adapter on every rank
     # every rank computes as rank 0 does: "auto" reads the machine, and nodes may differ
     bf16 = world.agree(hw.use_bf16(cfg.get("bf16", False), device))
+    if cfg.get("torch_compile") == "auto":
+        # train.compile "auto": where it was measured to pay off; a layer the compiler fails
+        # on then runs as it is (with dynamo's warning) rather than ending the run
+        cfg["torch_compile"] = world.agree(hw.use_compile(device, cfg, bf16, world.size, deterministic))
+        if cfg["torch_compile"]:
+            import torch._dynamo as dynamo
+
+            dynamo.config.suppress_errors = True
     if cfg.get("liger", "auto") == "auto" and not any(cfg.get(k) for k in hw.LIGER_KEYS):
         # train.liger "auto" (config.yaml names no Liger kernel): where they were measured to help
         cfg.update(dict.fromkeys(hw.LIGER_KEYS, hw.use_liger(device, cfg, world.size, deterministic)))
@@ -328,7 +344,9 @@ def take_samples(t: Training, path: Path) -> float:
     settings, began = t.cfg["samples"], time.monotonic()
     model = Generating(t.decoder, t.device, synced=t.world.size > 1) if t.world.shard else t.model
     t.model.eval()
-    with torch.random.fork_rng(devices=[t.device] if t.device.type == "cuda" else []):
+    # generation runs the layers as they are: compiled, each new length of its cache would
+    # be another compilation
+    with torch.random.fork_rng(devices=[t.device] if t.device.type == "cuda" else []), eager():
         with hw.compute(t.bf16, t.device):
             rows = [{"prompt": prompt_text(messages),
                      "answer": answer(model, t.tokenizer, messages, settings["max_new_tokens"])}
@@ -399,6 +417,7 @@ def save(t: Training, k: int) -> None:
         "device": str(t.device),
         "bf16": t.bf16,
         "liger": bool(cfg.get("liger_fused_linear_cross_entropy")),
+        "compile": bool(cfg.get("torch_compile")),
         "peak_memory": hw.peak_memory(t.device),
     }
     try:
@@ -514,6 +533,7 @@ def train(config_path: Path, device: str = "auto", deterministic: bool = False) 
         f"{cfg['gradient_accumulation_steps']} on {t.device}"
         + (", computing in bf16" if t.bf16 else "")
         + (" with Liger's kernels" if cfg.get("liger_fused_linear_cross_entropy") else "")
+        + (", its decoder layers compiled" if cfg.get("torch_compile") else "")
         + (f" shared by {world.size} processes" if world.size > 1 else "")
         + (" (sharded: FSDP2)" if world.shard else "")
     )

@@ -91,6 +91,11 @@ def load_model(cfg: dict, device: torch.device, bf16: bool, sharded: bool = Fals
     return model, tokenizer
 
 
+def eager():
+    """Compiled layers run as plain modules inside it (torch 2.6 and later; before, as they are)."""
+    return torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else nullcontext()
+
+
 def decoder_layers(model) -> list[torch.nn.Module]:
     return list(transformers_model(model).get_decoder().layers)
 
@@ -192,8 +197,7 @@ class TokenLoss:
         ids = (torch.arange(8, device=weight.device) * 7 + 3).remainder(head.weight.shape[0]).unsqueeze(0)
         training = inner.training
         inner.eval()  # no dropout: the two forwards the same
-        eager = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else nullcontext()
-        with torch.no_grad(), eager:  # compiled layers compile for training, not for this
+        with torch.no_grad(), eager():  # compiled layers compile for training, not for this
             hidden = inner.get_decoder()(input_ids=ids).last_hidden_state
             ours = self.logits(head(hidden))
             theirs = inner(input_ids=ids).logits.float()
