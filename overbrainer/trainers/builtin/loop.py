@@ -180,7 +180,7 @@ def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = 
         if world.main:
             print(f"{model.config.model_type}: its forward does something to the logits the trainer does not know "
                   "of: the loss is taken from the model's own logits, at every position (slower)", flush=True)
-    loss = TokenLoss(fused=fused_loss, **transform)
+    loss = TokenLoss(fused=fused_loss, compiled=bool(cfg.get("torch_compile")), **transform)
     with at_start(f"placing the model on {device}"):
         decoder = world.wrap(Decoder(model, loss), device, layers=decoder_layers(model), bf16=bf16)
     # after the wrap: sharded, the parameters are this rank's slices (DTensors)
@@ -533,7 +533,7 @@ def train(config_path: Path, device: str = "auto", deterministic: bool = False) 
         f"{cfg['gradient_accumulation_steps']} on {t.device}"
         + (", computing in bf16" if t.bf16 else "")
         + (" with Liger's kernels" if cfg.get("liger_fused_linear_cross_entropy") else "")
-        + (", its decoder layers compiled" if cfg.get("torch_compile") else "")
+        + (", its decoder layers compiled (the first step waits for the compiler)" if cfg.get("torch_compile") else "")
         + (f" shared by {world.size} processes" if world.size > 1 else "")
         + (" (sharded: FSDP2)" if world.shard else "")
     )
