@@ -534,7 +534,7 @@ def test_what_to_lower_when_the_host_runs_out_depends_on_where_and_when():
 
 def test_compile_auto_is_a_long_bf16_lora_on_the_cpu(monkeypatch):
     """train.compile "auto": on for a LoRA in bf16 on the CPU in one process for 100 steps
-    or more where a C++ compiler is at hand (measured 1.40x there); off in float32, for
+    or more where a C++ compiler is at hand (measured 1.31-1.40x there); off in float32, for
     shorter runs, a full fine-tune or QLoRA, several processes, deterministic kernels, on a
     GPU and without a compiler. Axolotl gets false for it (its own "auto" means on)."""
     import torch

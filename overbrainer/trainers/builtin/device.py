@@ -157,7 +157,7 @@ def use_compile(device: torch.device, cfg: dict, bf16: bool, processes: int = 1,
     off: a LoRA in bf16 on the CPU (AMX), in one process, for at least `COMPILE_FROM_STEPS`
     steps, where a C++ compiler is at hand (inductor builds its CPU kernels with one). There
     eager bf16 spends a third of a step casting and in elementwise passes that the compiled
-    layers fuse: 1.40x the useful tokens/s. Off in float32 (1.10x for the same wait), on a
+    layers fuse: 1.31-1.40x the useful tokens/s. Off in float32 (1.10x for the same wait), on a
     GPU, for a full fine-tune or QLoRA, several processes and deterministic kernels, where
     nobody has measured it; `true` turns it on there."""
     if device.type != "cpu" or not bf16 or cfg.get("adapter") != "lora" or processes > 1 or deterministic:
