@@ -29,7 +29,9 @@ LONGEST = 512
 KEY_HEADS_SHARED = torch.__version__ >= "2.10"  # TorchVersion: compared as a version, not text
 
 
-@torch.library.custom_op("overbrainer::causal_attention", mutates_args=())
+# the schemas spelled out, not inferred from the annotations (strings here: postponed evaluation)
+@torch.library.custom_op("overbrainer::causal_attention", mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)")
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, T, H, D), the rows' log-sum-exp (B, H, T) in float32): sdpa's CPU flash
     kernel. An operator of its own, opaque to torch.compile, so that compiled decoder
@@ -50,7 +52,9 @@ def _(q, k, v, scale):
     return q.new_empty(B, T, H, D), q.new_empty(B, H, T, dtype=torch.float32)
 
 
-@torch.library.custom_op("overbrainer::causal_attention_backward", mutates_args=())
+@torch.library.custom_op("overbrainer::causal_attention_backward", mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor grad_out, float scale) "
+                                "-> (Tensor, Tensor, Tensor)")
 def _attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                      grad_out: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), `attention_backward`'s; `out` and `grad_out` as `_attend` returns them."""
