@@ -232,3 +232,22 @@ def test_bf16_bake_computes_in_bf16_and_resumes_bitwise(project, tmp_path, refer
     assert "train" in report["ran"]
     assert weights(runs / "tiny") == weights(reference)
     assert losses(runs / "tiny") == losses(reference)
+
+
+def test_compiled_bake_resumes_bitwise(project, tmp_path, references):
+    """train.compile (what "auto" turns on for a long bf16 LoRA on the CPU), with LoRA's
+    dropout: killed mid-training and rerun, the new process compiles again and ends bit
+    for bit where an uninterrupted compiled bake does."""
+    from overbrainer.trainers.builtin.device import cpp_compiler
+
+    if cpp_compiler() is None:
+        pytest.skip("no C++ compiler here: inductor cannot build CPU kernels")
+    reference = references.folder(bf16=True, compile=True)
+    assert "its decoder layers compiled" in (reference / "log.txt").read_text()
+    project.write(bf16=True, compile=True)
+    runs = tmp_path / "killed"
+    kill_bake_at(runs, project.plan_path, 5)
+    report = bake_in(runs, project.plan_path)
+    assert "train" in report["ran"]
+    assert losses(runs / "tiny") == losses(reference)
+    assert weights(runs / "tiny") == weights(reference)
