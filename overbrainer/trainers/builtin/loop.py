@@ -180,7 +180,8 @@ def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = 
         if world.main:
             print(f"{model.config.model_type}: its forward does something to the logits the trainer does not know "
                   "of: the loss is taken from the model's own logits, at every position (slower)", flush=True)
-    loss = TokenLoss(fused=fused_loss, compiled=bool(cfg.get("torch_compile")), **transform)
+    # the loss compiled with the layers, but not sharded (FSDP2's hooks gather the output layer; not tried compiled)
+    loss = TokenLoss(fused=fused_loss, compiled=bool(cfg.get("torch_compile")) and not world.shard, **transform)
     with at_start(f"placing the model on {device}"):
         decoder = world.wrap(Decoder(model, loss), device, layers=decoder_layers(model), bf16=bf16)
     # after the wrap: sharded, the parameters are this rank's slices (DTensors)
