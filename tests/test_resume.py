@@ -38,6 +38,11 @@ def kill_bake_at(runs: Path, plan: Path, metric_lines: int) -> None:
         assert proc.poll() is None, "the bake ended before it could be killed"
         time.sleep(0.02)
     children = psutil.Process(proc.pid).children(recursive=True)
+    for child in reversed(children):  # the trainers first, frozen at once: a fast one would go on past the mark
+        try:
+            child.suspend()
+        except psutil.Error:
+            pass
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     # the trainer dies with the bake that started it: nobody is left writing the folder
