@@ -18,6 +18,17 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO_DATA = REPO / "plans" / "data" / "pirate.jsonl"
 
 
+def needs_cpp_compiler() -> None:
+    """Skip where no C++ compiler is installed: inductor cannot build CPU kernels there (and
+    train.compile "auto" stays off)."""
+    import pytest
+
+    from overbrainer.trainers.builtin.device import cpp_compiler
+
+    if cpp_compiler() is None:
+        pytest.skip("no C++ compiler here: inductor cannot build CPU kernels")
+
+
 def cli(*args: str, check: int | None = 0, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the real command line in its own process."""
     proc = subprocess.run(

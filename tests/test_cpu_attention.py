@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import needs_cpp_compiler
 
 from overbrainer.trainers.builtin import cpu_attention
 from overbrainer.trainers.builtin.cpu_attention import causal_attention
@@ -140,11 +141,9 @@ def test_compiled_layers_call_it_at_every_length_without_recompiling(tiny_model)
     gradient reaches); loss and gradients are the eager ones, within bf16's rounding."""
     from torch._dynamo.utils import counters
 
-    from overbrainer.trainers.builtin.device import cpp_compiler
     from overbrainer.trainers.builtin.model import Decoder, TokenLoss, load_model
 
-    if cpp_compiler() is None:
-        pytest.skip("no C++ compiler here: inductor cannot build CPU kernels")
+    needs_cpp_compiler()
 
     cfg = {"base_model": str(tiny_model), "adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
            "lora_target_modules": ["q_proj", "v_proj", "lm_head"]}

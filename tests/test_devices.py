@@ -11,7 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import bake_json, cli, make_project
+from helpers import bake_json, cli, make_project, needs_cpp_compiler
 from test_distributed import metric_lines
 from test_resume import kill_bake_at
 
@@ -571,10 +571,7 @@ def test_compile_auto_compiles_a_long_bf16_lora_trained_on_the_cpu(project):
     """A bake of 100 steps in bf16 on the CPU with compile left at "auto": the trainer says
     its layers are compiled and the checkpoint records it; a greedy sample is taken from
     the layers as they are (eager), and the run ends as any other."""
-    from overbrainer.trainers.builtin.device import cpp_compiler
-
-    if cpp_compiler() is None:
-        pytest.skip("no C++ compiler here: auto leaves compile off")
+    needs_cpp_compiler()
     project.write(steps=100, bf16=True, save_every=100, eval_every=100, micro_batch_size=1,
                   gradient_accumulation_steps=1, samples={"every": 100, "prompts": ["Hi"], "max_new_tokens": 4})
     bake_json(str(project.plan_path), "--runs", str(project.root / "runs"))

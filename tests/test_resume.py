@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import bake_json, cli, held, trainers_of
+from helpers import bake_json, cli, held, needs_cpp_compiler, trainers_of
 
 from overbrainer.portable.common import oom_kills
 
@@ -56,6 +56,16 @@ def weights(folder: Path) -> bytes:
 
 def losses(folder: Path) -> list[tuple[int, float]]:
     return [(m["step"], m["loss"]) for m in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "step" in m]
+
+
+def killed_then_rerun_ends_as(reference: Path, project, runs: Path) -> None:
+    """The project's bake, SIGKILLed mid-training and rerun, trains again and ends with the
+    reference's losses and adapter, bit for bit."""
+    kill_bake_at(runs, project.plan_path, 5)
+    report = bake_in(runs, project.plan_path)
+    assert "train" in report["ran"]
+    assert losses(runs / "tiny") == losses(reference)
+    assert weights(runs / "tiny") == weights(reference)
 
 
 @pytest.fixture
@@ -231,28 +241,15 @@ def test_bf16_bake_computes_in_bf16_and_resumes_bitwise(project, tmp_path, refer
         assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {"torch.float32"}
     assert weights(reference) != weights(references.folder(bf16=False))  # bf16 arithmetic is not fp32's
     project.write(bf16=True)
-    runs = tmp_path / "killed"
-    kill_bake_at(runs, project.plan_path, 5)
-    report = bake_in(runs, project.plan_path)
-    assert "train" in report["ran"]
-    assert weights(runs / "tiny") == weights(reference)
-    assert losses(runs / "tiny") == losses(reference)
+    killed_then_rerun_ends_as(reference, project, tmp_path / "killed")
 
 
 def test_compiled_bake_resumes_bitwise(project, tmp_path, references):
     """train.compile (what "auto" turns on for a long bf16 LoRA on the CPU), with LoRA's
     dropout: killed mid-training and rerun, the new process compiles again and ends bit
     for bit where an uninterrupted compiled bake does."""
-    from overbrainer.trainers.builtin.device import cpp_compiler
-
-    if cpp_compiler() is None:
-        pytest.skip("no C++ compiler here: inductor cannot build CPU kernels")
+    needs_cpp_compiler()
     reference = references.folder(bf16=True, compile=True)
     assert "its decoder layers compiled" in (reference / "log.txt").read_text()
     project.write(bf16=True, compile=True)
-    runs = tmp_path / "killed"
-    kill_bake_at(runs, project.plan_path, 5)
-    report = bake_in(runs, project.plan_path)
-    assert "train" in report["ran"]
-    assert losses(runs / "tiny") == losses(reference)
-    assert weights(runs / "tiny") == weights(reference)
+    killed_then_rerun_ends_as(reference, project, tmp_path / "killed")
