@@ -147,7 +147,7 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool | None:
 
 
 # the fewest steps a run has for "auto" to compile: the compiler takes about 30 s before
-# the first step (2 cores, a cold cache; ~10 s from inductor's cache) and saves about 0.4 s
+# the first step (2 cores, a cold cache; ~6 s from inductor's cache) and saves about 0.4 s
 # of a 1.7 s step (SmolLM2-135M, LoRA in bf16, 4 x 256 tokens: bench/README section 4)
 COMPILE_FROM_STEPS = 100
 
