@@ -45,6 +45,11 @@ def kill_bake_at(runs: Path, plan: Path, metric_lines: int) -> None:
             pass
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    for child in children:  # thawed: one caught between fork and exec must still see its bake gone
+        try:
+            child.resume()
+        except psutil.Error:
+            pass
     # the trainer dies with the bake that started it: nobody is left writing the folder
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 from . import faults
@@ -101,16 +102,20 @@ def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int | None = None) -> None:
     """Linux: this process gets SIGKILL when the one that started it dies, so that a killed
     bake never leaves a trainer writing the run folder behind it (the signal is not
-    inherited across fork: each launcher's children call it again)."""
+    inherited across fork: each launcher's children call it again). With `parent`, the pid
+    that started this one, it also dies at once if that one died before the signal was set
+    (a bake killed between its fork and the child's exec: nobody would send it)."""
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass
+        return
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # -- files that readers never see torn -----------------------------------------------------
@@ -290,7 +295,7 @@ def run_commands(
             out.write(log_line(" ".join(argv)).encode())
             out.flush()
             proc = subprocess.Popen(argv, cwd=run_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+                                    stdin=subprocess.DEVNULL, preexec_fn=partial(die_with_parent, os.getpid()))
             code = _wait(proc, poll)
         if code != 0:
             return code

@@ -4,13 +4,19 @@ never torn, every state one of the seven."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import threading
 import time
+from functools import partial
 
+import psutil
 from helpers import cli
 
 from overbrainer import Run
 from overbrainer.journal import STATES
+from overbrainer.portable.common import die_with_parent
 
 
 def test_status_stop_and_resume_racing_a_bake(project, tmp_path, references):
@@ -59,3 +65,17 @@ def test_status_stop_and_resume_racing_a_bake(project, tmp_path, references):
     assert len(attempts) == 4 and all(a.get("end") for a in attempts)
     final = "checkpoints/step-000040/adapter_model.safetensors"
     assert (run.folder.root / final).read_bytes() == (reference / final).read_bytes()
+
+
+def test_a_job_whose_bake_died_before_its_exec_never_runs(tmp_path):
+    """A bake SIGKILLed between its fork of a job and the job's exec: the kernel has nobody
+    to send the parent-death signal for, so the job itself looks and dies before it runs.
+    (Simulated with a parent pid that is not its parent's; the real window is microseconds.)"""
+    marker = tmp_path / "ran"
+    not_the_parent = psutil.Process().ppid()
+    child = subprocess.Popen(["touch", str(marker)], preexec_fn=partial(die_with_parent, not_the_parent))
+    assert child.wait(timeout=30) == -signal.SIGKILL
+    assert not marker.exists()
+    child = subprocess.Popen(["touch", str(marker)], preexec_fn=partial(die_with_parent, os.getpid()))
+    assert child.wait(timeout=30) == 0
+    assert marker.exists()
