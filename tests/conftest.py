@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,8 @@ def _skip_unbuilt_llama_cpp(config, items) -> None:
 @pytest.fixture(autouse=True)
 def hermetic(tmp_path, monkeypatch):
     monkeypatch.setenv("OVERBRAINER_CACHE", str(tmp_path / "cache"))
+    # built kernels are kept across tests (and runs), as a machine's cache keeps them
+    monkeypatch.setenv("OVERBRAINER_KERNELS", str(Path(tempfile.gettempdir()) / "overbrainer-test-kernels"))
     monkeypatch.setenv("OVERBRAINER_RUNS", str(tmp_path / "runs"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))

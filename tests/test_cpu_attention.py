@@ -55,9 +55,85 @@ def test_float32_gradients_are_sdpas(heads, kv_heads, length, shared_in_kernel, 
     assert all(torch.equal(a, b) for a, b in zip(x, given))  # nothing written into the inputs
 
 
+@pytest.fixture(params=["kernel", "blocked"])
+def backward(request, monkeypatch):
+    """The backward under test: the built kernel (where this machine builds and runs it) or the
+    Python one it falls back to."""
+    if request.param == "kernel":
+        if cpu_attention.kernel() is None:
+            pytest.skip("the CPU attention kernel does not run here (no bf16 brgemm, or no C++ compiler)")
+    else:
+        monkeypatch.setattr(cpu_attention, "_KERNEL", None)
+    return request.param
+
+
+def can_build_the_kernel() -> bool:
+    """What the kernel needs: Linux on x86-64, a C++ compiler, and a CPU whose oneDNN has a
+    bf16 brgemm (AMX or AVX-512 BF16: its flags say)."""
+    import platform
+    import shutil
+    import sys
+
+    from overbrainer.portable.common import cpu_flags
+
+    flags = cpu_flags() or set()
+    return (sys.platform == "linux" and platform.machine() == "x86_64" and shutil.which("c++") is not None
+            and bool({"amx_bf16", "avx512_bf16"} & flags))
+
+
+@pytest.mark.parametrize("heads,kv_heads,length,dim", [(9, 3, 37, 64), (4, 4, 130, 64), (4, 2, 200, 32),
+                                                       (2, 1, 2, 64), (8, 2, 100, 128)])
+def test_the_kernel_computes_the_blocked_backward(heads, kv_heads, length, dim):
+    """Where it is built, the kernel's gradients are the Python backward's within bf16's rounding
+    (both from sdpa's bf16 forward), for lengths and row counts that are and are not whole
+    tiles, shared and unshared key heads, and head sizes 32, 64 and 128; and it is built and
+    used wherever a C++ compiler and a bf16 brgemm are at hand."""
+    op = cpu_attention.kernel()
+    if op is None:
+        assert not can_build_the_kernel(), "a C++ compiler and a bf16 brgemm, yet no kernel"
+        pytest.skip("the CPU attention kernel does not run here")
+    q, k, v, g = (t.bfloat16() for t in inputs(2, heads, kv_heads, length, dim=dim))
+    scale = dim ** -0.5
+    out, lse = cpu_attention._attend(q, k, v, scale)
+    given = [t.clone() for t in (q, k, v, out, lse, g)]
+    args = (q, k, v, out.transpose(1, 2), lse, g, scale)
+    for name, a, b in zip(("dq", "dk", "dv"), cpu_attention.kernel_backward(op, *args),
+                          cpu_attention.blocked_backward(*args)):
+        assert a.shape == b.shape and a.dtype == b.dtype == torch.bfloat16, name
+        assert a.is_contiguous(), name  # as the operator's fake says: compiled callers check it
+        assert torch.allclose(a.float(), b.float(), rtol=0.05, atol=0.02 * float(b.abs().max())), (
+            name, (a.float() - b.float()).abs().max().item())
+        assert (a.float() - b.float()).norm() <= 0.02 * b.float().norm(), name
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v, out, lse, g), given))  # nothing written into the inputs
+
+
+def test_without_a_working_compiler_it_says_so_and_falls_back(tmp_path, monkeypatch, capfd):
+    """A build that fails (here a compiler that fails every time, in an empty kernels folder)
+    is one line on stderr, and the Python backward computes the gradients; so does
+    OVERBRAINER_CPU_KERNEL=0, without a word."""
+    if not can_build_the_kernel():
+        pytest.skip("the kernel is never built here")
+    monkeypatch.setattr(cpu_attention, "_KERNEL", False)
+    monkeypatch.setenv(cpu_attention.KERNEL_ENV, "0")
+    assert cpu_attention.kernel() is None
+    assert capfd.readouterr().err == ""
+    monkeypatch.setattr(cpu_attention, "_KERNEL", False)
+    monkeypatch.delenv(cpu_attention.KERNEL_ENV)
+    monkeypatch.setenv(cpu_attention.KERNELS_ENV, str(tmp_path / "kernels"))
+    monkeypatch.setenv("CXX", "false")
+    assert cpu_attention.kernel() is None
+    said = [line for line in capfd.readouterr().err.splitlines() if "kernel" in line]
+    assert said[-1].startswith("the CPU attention kernel was not built (") and said[-1].endswith(
+        "the slower Python backward is used"), said
+    x = inputs(2, 4, 2, 40)
+    for a, b in zip(forward_backward(ours, *(t.bfloat16() for t in x)), forward_backward(sdpa, *x)):
+        assert (a.float() - b).norm() <= 0.02 * b.norm()
+
+
 @pytest.mark.parametrize("length", [64, 200, 512])
-def test_bf16_gradients_are_as_close_to_float32_as_sdpas(length):
-    """In bf16 no further from the float32 result than sdpa's own bf16 kernels are."""
+def test_bf16_gradients_are_as_close_to_float32_as_sdpas(length, backward):
+    """In bf16 no further from the float32 result than sdpa's own bf16 kernels are (the
+    kernel's backward and the Python one)."""
     x = inputs(4, 9, 3, length)
     exact = forward_backward(sdpa, *x)
     low = [t.bfloat16() for t in x]
@@ -133,19 +209,24 @@ def test_the_trainer_takes_it_for_bf16_training_on_the_cpu_only(tiny_model, tmp_
     assert "attn_implementation" not in json.loads((tmp_path / "saved" / "config.json").read_text())
 
 
-def test_compiled_layers_call_it_at_every_length_without_recompiling(tiny_model):
+@pytest.mark.parametrize("head_dim", [8, 16])
+def test_compiled_layers_call_it_at_every_length_without_recompiling(tiny_model, tmp_path, head_dim):
     """train.compile: the compiled decoder layers call it as an operator of their own, so a
     new length is not a new compilation (traced, its backward's loop over blocks tied each
     compiled layer to one length, and past dynamo's recompile limit the layers ran eagerly,
     silently). The loss is compiled too (with an adapter on the output layer, which its
-    gradient reaches); loss and gradients are the eager ones, within bf16's rounding."""
+    gradient reaches); loss and gradients are the eager ones, within bf16's rounding. Heads
+    of 8 take the Python backward, heads of 16 the kernel where it runs (its outputs' layouts
+    are what the compiled graph checks)."""
+    from tiny import make_tiny_llama
     from torch._dynamo.utils import counters
 
     from overbrainer.trainers.builtin.model import Decoder, TokenLoss, load_model
 
     needs_cpp_compiler()
+    base = tiny_model if head_dim == 8 else make_tiny_llama(tmp_path / "wide", hidden=4 * head_dim)
 
-    cfg = {"base_model": str(tiny_model), "adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+    cfg = {"base_model": str(base), "adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
            "lora_target_modules": ["q_proj", "v_proj", "lm_head"]}
     cpu = torch.device("cpu")
 

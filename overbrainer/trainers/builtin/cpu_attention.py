@@ -86,7 +86,47 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return _attend(q, k, v, scale)[0]
 
 
-def attention_backward(q, k, v, out, lse, grad_out, scale: float, block: int = BLOCK):
+def attention_backward(q, k, v, out, lse, grad_out, scale: float):
+    """(dq, dk, dv) of causal attention: the compiled kernel's where it runs
+    (`kernel_backward`), else `blocked_backward`'s."""
+    D = q.shape[-1]
+    if q.dtype == torch.bfloat16 and D % 16 == 0 and (D <= KERNEL_TILE or D % KERNEL_TILE == 0) and kernel():
+        return kernel_backward(kernel(), q, k, v, out, lse, grad_out, scale)
+    return blocked_backward(q, k, v, out, lse, grad_out, scale)
+
+
+def kernel_backward(op, q, k, v, out, lse, grad_out, scale: float):
+    """(dq, dk, dv) from `cpu_attention_backward.cpp`: the G query heads of a key head laid
+    out as rows (position, head) of one matrix per sequence and key head, padded to whole
+    tiles of 64 rows and 64 keys (the kernel masks what the padding adds)."""
+    B, H, T, D = q.shape
+    KVH = k.shape[1]
+    G = H // KVH
+    R = T * G
+    rows_padded, keys_padded = -(-R // KERNEL_TILE) * KERNEL_TILE, -(-T // KERNEL_TILE) * KERNEL_TILE
+
+    def rows(x):  # (B, H, T, n) -> (B·KVH, rows_padded, n), row t·G + g
+        x = x.reshape(B, KVH, G, T, x.shape[-1]).transpose(2, 3).reshape(B * KVH, R, x.shape[-1])
+        return torch.nn.functional.pad(x, (0, 0, 0, rows_padded - R))
+
+    def keys(x):  # (B, KVH, T, D) -> (B·KVH, keys_padded, D)
+        return torch.nn.functional.pad(x.reshape(B * KVH, T, D), (0, 0, 0, keys_padded - T))
+
+    def t(x):
+        return x.transpose(1, 2).contiguous()
+
+    delta = (grad_out.float() * out.float()).sum(-1, keepdim=True)  # rowsum(dO ∘ O)
+    qr, dor, kr = rows(q), rows(grad_out), keys(k)
+    dq, dkt, dvt = op(qr, t(qr), dor, t(dor), kr, t(kr), t(keys(v)), rows(lse[..., None])[..., 0].contiguous(),
+                      rows(delta)[..., 0].contiguous(), G, T, scale)
+    dq = dq[:, :R].reshape(B, KVH, T, G, D).transpose(2, 3).reshape(B, H, T, D)
+    dense = torch.contiguous_format  # the layouts the operator's fake promises
+    return (dq.to(q.dtype, memory_format=dense),
+            dkt[:, :, :T].transpose(1, 2).reshape(B, KVH, T, D).to(k.dtype, memory_format=dense),
+            dvt[:, :, :T].transpose(1, 2).reshape(B, KVH, T, D).to(v.dtype, memory_format=dense))
+
+
+def blocked_backward(q, k, v, out, lse, grad_out, scale: float, block: int = BLOCK):
     """(dq, dk, dv) of causal attention, recomputed a block of queries at a time.
 
     The G query heads of a key head are stacked as rows of one matrix (B, KVH, G·rows, D),
@@ -126,6 +166,78 @@ def attention_backward(q, k, v, out, lse, grad_out, scale: float, block: int = B
         dq[:, :, :, s:e] = torch.matmul(ds, kb).mul_(scale).view(B, KVH, G, rows, D)
         dk[:, :, :e] += torch.matmul(ds.to(dtype).transpose(-1, -2), qb)
     return dq.view(B, H, T, D), dk.mul_(scale).to(k.dtype), dv.to(v.dtype)
+
+
+def kernel():
+    """`torch.ops.overbrainer_cpu.causal_attention_backward`, built from
+    `cpu_attention_backward.cpp` on first use (once a machine: its build is kept under the
+    cache, ``kernels/``), where this CPU's oneDNN runs a bf16 brgemm (AMX, AVX-512 BF16) and
+    a C++ compiler and ninja are installed; None elsewhere, or where the build failed (one
+    line on stderr says why), and `blocked_backward` is used."""
+    global _KERNEL
+    if _KERNEL is False:
+        _KERNEL = _build_kernel()
+    return _KERNEL
+
+
+_KERNEL: object = False  # not tried yet
+KERNEL_TILE = 64  # the kernel's tiles: 64 keys by 64 rows
+
+
+def _build_kernel():
+    import hashlib
+    import os
+    import platform
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from ...folder import cache_root
+    from ...portable.common import cpu_flags
+
+    if os.environ.get(KERNEL_ENV) == "0" or sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    if not shutil.which(os.environ.get("CXX") or "c++"):
+        return None
+    try:
+        import ninja  # the PyPI package: its binary, where the system has none
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        if not shutil.which("ninja"):
+            return None
+    source = Path(__file__).with_name("cpu_attention_backward.cpp")
+    # -march=native: one build for each kind of CPU (a cache shared by several machines)
+    key = "\n".join([source.read_text(), torch.__version__, sys.version, " ".join(sorted(cpu_flags() or ()))])
+    name = "overbrainer_cpu_attention_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    folder = Path(os.environ.get(KERNELS_ENV) or cache_root() / "kernels") / name
+    try:
+        from filelock import FileLock
+        from torch.utils.cpp_extension import load
+
+        folder.mkdir(parents=True, exist_ok=True)
+        # one build at a time (the processes of a run): a lock the system drops with its holder,
+        # so a build killed half-way leaves no lock behind, unlike torch's own, which is removed
+        # here while this one is held
+        with FileLock(folder / ".build.lock"):
+            (folder / "lock").unlink(missing_ok=True)
+            if not any(folder.glob("*.so")):
+                print("building the CPU attention kernel (once on this machine: a few seconds to a minute)",
+                      file=sys.stderr, flush=True)
+            load(name=name, sources=[str(source)], extra_cflags=["-O3", "-march=native", "-fno-trapping-math"],
+                 build_directory=str(folder), is_python_module=False, verbose=False)
+        if not torch.ops.overbrainer_cpu.can_run():
+            return None
+    except Exception as e:  # no compiler that works, a torch without its headers, ...
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        print(f"the CPU attention kernel was not built ({first}): the slower Python backward is used",
+              file=sys.stderr, flush=True)
+        return None
+    return torch.ops.overbrainer_cpu.causal_attention_backward
+
+
+KERNEL_ENV = "OVERBRAINER_CPU_KERNEL"  # "0": never build or use the kernel
+KERNELS_ENV = "OVERBRAINER_KERNELS"  # where built kernels are kept (default: the cache's kernels/)
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
