@@ -96,34 +96,9 @@ def attention_backward(q, k, v, out, lse, grad_out, scale: float):
 
 
 def kernel_backward(op, q, k, v, out, lse, grad_out, scale: float):
-    """(dq, dk, dv) from `cpu_attention_backward.cpp`: the G query heads of a key head laid
-    out as rows (position, head) of one matrix per sequence and key head, padded to whole
-    tiles of 64 rows and 64 keys (the kernel masks what the padding adds)."""
-    B, H, T, D = q.shape
-    KVH = k.shape[1]
-    G = H // KVH
-    R = T * G
-    rows_padded, keys_padded = -(-R // KERNEL_TILE) * KERNEL_TILE, -(-T // KERNEL_TILE) * KERNEL_TILE
-
-    def rows(x):  # (B, H, T, n) -> (B·KVH, rows_padded, n), row t·G + g
-        x = x.reshape(B, KVH, G, T, x.shape[-1]).transpose(2, 3).reshape(B * KVH, R, x.shape[-1])
-        return torch.nn.functional.pad(x, (0, 0, 0, rows_padded - R))
-
-    def keys(x):  # (B, KVH, T, D) -> (B·KVH, keys_padded, D)
-        return torch.nn.functional.pad(x.reshape(B * KVH, T, D), (0, 0, 0, keys_padded - T))
-
-    def t(x):
-        return x.transpose(1, 2).contiguous()
-
-    delta = (grad_out.float() * out.float()).sum(-1, keepdim=True)  # rowsum(dO ∘ O)
-    qr, dor, kr = rows(q), rows(grad_out), keys(k)
-    dq, dkt, dvt = op(qr, t(qr), dor, t(dor), kr, t(kr), t(keys(v)), rows(lse[..., None])[..., 0].contiguous(),
-                      rows(delta)[..., 0].contiguous(), G, T, scale)
-    dq = dq[:, :R].reshape(B, KVH, T, G, D).transpose(2, 3).reshape(B, H, T, D)
-    dense = torch.contiguous_format  # the layouts the operator's fake promises
-    return (dq.to(q.dtype, memory_format=dense),
-            dkt[:, :, :T].transpose(1, 2).reshape(B, KVH, T, D).to(k.dtype, memory_format=dense),
-            dvt[:, :, :T].transpose(1, 2).reshape(B, KVH, T, D).to(v.dtype, memory_format=dense))
+    """(dq, dk, dv) from `cpu_attention_backward.cpp`, which takes the tensors as they are (any
+    strides, a dense last dimension) and returns them dense."""
+    return op(q, k, v, out, lse, grad_out, scale)
 
 
 def blocked_backward(q, k, v, out, lse, grad_out, scale: float, block: int = BLOCK):
@@ -182,6 +157,11 @@ def kernel():
 
 _KERNEL: object = False  # not tried yet
 KERNEL_TILE = 64  # the kernel's tiles: 64 keys by 64 rows
+# -march=native: this machine's vector instructions (the build is kept per kind of CPU);
+# -fno-trapping-math: lets the compiler vectorize the probabilities' loop (selects, floor);
+# -fopenmp: at::parallel_for is inline and runs on one thread without it (the OpenMP runtime
+# is then the one torch loaded, by its soname)
+KERNEL_FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
 
 
 def _build_kernel():
@@ -207,8 +187,8 @@ def _build_kernel():
         if not shutil.which("ninja"):
             return None
     source = Path(__file__).with_name("cpu_attention_backward.cpp")
-    # -march=native: one build for each kind of CPU (a cache shared by several machines)
-    key = "\n".join([source.read_text(), torch.__version__, sys.version, " ".join(sorted(cpu_flags() or ()))])
+    # one build for each kind of CPU (-march=native), in a cache several machines may share
+    key = "\n".join([source.read_text(), *KERNEL_FLAGS, torch.__version__, sys.version, *sorted(cpu_flags() or ())])
     name = "overbrainer_cpu_attention_" + hashlib.sha256(key.encode()).hexdigest()[:12]
     folder = Path(os.environ.get(KERNELS_ENV) or cache_root() / "kernels") / name
     try:
@@ -224,7 +204,7 @@ def _build_kernel():
             if not any(folder.glob("*.so")):
                 print("building the CPU attention kernel (once on this machine: a few seconds to a minute)",
                       file=sys.stderr, flush=True)
-            load(name=name, sources=[str(source)], extra_cflags=["-O3", "-march=native", "-fno-trapping-math"],
+            load(name=name, sources=[str(source)], extra_cflags=KERNEL_FLAGS, extra_ldflags=["-fopenmp"],
                  build_directory=str(folder), is_python_module=False, verbose=False)
         if not torch.ops.overbrainer_cpu.can_run():
             return None

@@ -7,7 +7,7 @@
 // dO·Vᵀ come out of brgemm in float32 (bf16 operands, float32 sums and results: the scores
 // are never rounded to bf16 before the log-sum-exp is taken off them), P and dS are computed
 // in one vectorized pass, and dQ += dS·K, dVᵀ += dOᵀ·P and dKᵀ += Qᵀ·dS are summed in float32
-// (the transposed sides are the caller's, made once, so that no tile is ever transposed).
+// (each task lays out its rows and their transposes once, so that no tile is ever transposed).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -123,39 +123,99 @@ void backward_of(const BFloat16* Q, const BFloat16* Qt, const BFloat16* dO, cons
   }
 }
 
-// (dQ (tasks, R, D), dKᵀ and dVᵀ (tasks, D, Tk)), float32. q and dout (tasks, R, D),
-// R a multiple of 64 (rows past length*groups are padding and ignored), and their transposes;
-// k (tasks, Tk, D), Tk a multiple of 64, and the transposes of k and v; lse and delta
-// (tasks, R) float32
+// a (B, heads, T, D) tensor's element strides, its last dimension dense
+struct Strided {
+  const BFloat16* data;
+  int64_t b, h, t;
+  explicit Strided(const at::Tensor& x)
+      : data(x.data_ptr<BFloat16>()), b(x.stride(0)), h(x.stride(1)), t(x.stride(2)) {}
+  const BFloat16* row(int64_t i, int64_t head, int64_t pos) const { return data + i * b + head * h + pos * t; }
+};
+
+// (dq, dk, dv) in bf16, laid out as q, k and v (dense): q, out and dout (B, H, T, D), k and v
+// (B, KVH, T, D), each with a dense last dimension and any other strides; lse (B, H, T) float32.
+// Each task lays out its own rows, transposes and padding (in its thread), and writes its own
+// heads of the results.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
-    const at::Tensor& q, const at::Tensor& qt, const at::Tensor& dout, const at::Tensor& doutt, const at::Tensor& k,
-    const at::Tensor& kt, const at::Tensor& vt, const at::Tensor& lse, const at::Tensor& delta, int64_t groups,
-    int64_t length, double scale) {
-  for (const auto* x : {&q, &qt, &dout, &doutt, &k, &kt, &vt})
-    TORCH_CHECK(x->scalar_type() == at::kBFloat16 && x->is_contiguous() && x->dim() == 3, "contiguous bf16 (tasks, n, m)");
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && delta.scalar_type() == at::kFloat && lse.is_contiguous() &&
-              delta.is_contiguous(), "contiguous float32 lse and delta");
-  const int64_t tasks = q.size(0), R = q.size(1), D = q.size(2), Tk = k.size(1);
-  TORCH_CHECK(R % TILE == 0 && Tk % TILE == 0 && D % 16 == 0 && (D <= TILE || D % TILE == 0), "padded shapes");
-  TORCH_CHECK(qt.size(1) == D && qt.size(2) == R && kt.size(1) == D && kt.size(2) == Tk && vt.sizes() == kt.sizes() &&
-              dout.sizes() == q.sizes() && doutt.sizes() == qt.sizes() && lse.size(1) == R && delta.sizes() == lse.sizes(),
-              "matching shapes");
-  auto dQ = at::zeros({tasks, R, D}, q.options().dtype(at::kFloat));
-  auto dKt = at::zeros({tasks, D, Tk}, q.options().dtype(at::kFloat));
-  auto dVt = at::zeros({tasks, D, Tk}, q.options().dtype(at::kFloat));
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in,
+    const at::Tensor& lse_in, const at::Tensor& dout_in, double scale) {
+  auto dense_last = [](const at::Tensor& x) { return x.stride(-1) == 1 ? x : x.contiguous(); };
+  const auto q = dense_last(q_in), k = dense_last(k_in), v = dense_last(v_in), out = dense_last(out_in),
+             dout = dense_last(dout_in);
+  const auto lse = lse_in.contiguous();
+  for (const auto* x : {&q, &k, &v, &out, &dout})
+    TORCH_CHECK(x->scalar_type() == at::kBFloat16 && x->dim() == 4, "bf16 (batch, heads, length, head size)");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 3, "float32 lse (batch, heads, length)");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), KVH = k.size(1);
+  TORCH_CHECK(KVH > 0 && H % KVH == 0 && k.sizes() == v.sizes() && k.size(0) == B && k.size(2) == T && k.size(3) == D &&
+              out.sizes() == q.sizes() && dout.sizes() == q.sizes() && lse.size(0) == B && lse.size(1) == H &&
+              lse.size(2) == T, "matching shapes");
+  TORCH_CHECK(D % 16 == 0 && (D <= TILE || D % TILE == 0), "a head size that is a multiple of 16, and of 64 past 64");
+  const int64_t G = H / KVH, R = (T * G + TILE - 1) / TILE * TILE, Tk = (T + TILE - 1) / TILE * TILE;
+  auto dq = at::empty({B, H, T, D}, q.options());
+  auto dk = at::empty({B, KVH, T, D}, q.options());
+  auto dv = at::empty({B, KVH, T, D}, q.options());
+  const Strided Qs(q), Ks(k), Vs(v), Os(out), dOs(dout);
+  const float* L = lse.data_ptr<float>();
+  auto* dQo = reinterpret_cast<uint16_t*>(dq.data_ptr<BFloat16>());
+  auto* dKo = reinterpret_cast<uint16_t*>(dk.data_ptr<BFloat16>());
+  auto* dVo = reinterpret_cast<uint16_t*>(dv.data_ptr<BFloat16>());
   const bool vnni = could_pack(at::kBFloat16);
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t rows = i * R * D, keys = i * Tk * D;
-      backward_of(q.data_ptr<BFloat16>() + rows, qt.data_ptr<BFloat16>() + rows, dout.data_ptr<BFloat16>() + rows,
-                  doutt.data_ptr<BFloat16>() + rows, k.data_ptr<BFloat16>() + keys, kt.data_ptr<BFloat16>() + keys,
-                  vt.data_ptr<BFloat16>() + keys, lse.data_ptr<float>() + i * R, delta.data_ptr<float>() + i * R,
-                  dQ.data_ptr<float>() + rows, dKt.data_ptr<float>() + keys, dVt.data_ptr<float>() + keys, R, Tk, D,
-                  groups, length, static_cast<float>(scale), vnni);
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<BFloat16> Qr(R * D), Qt(D * R), dOr(R * D), dOt(D * R), Kr(Tk * D), Kt(D * Tk), Vt(D * Tk);
+    std::vector<float> lse_r(R), delta_r(R), dQ(R * D), dKt(D * Tk), dVt(D * Tk);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / KVH, kvh = task % KVH;
+      // rows (t, g) -> t*G + g, zero past the last; lse and delta = rowsum(dO ∘ O) by row
+      std::fill(Qr.begin(), Qr.end(), BFloat16(0.0f));
+      std::fill(dOr.begin(), dOr.end(), BFloat16(0.0f));
+      std::fill(lse_r.begin(), lse_r.end(), 0.0f);
+      std::fill(delta_r.begin(), delta_r.end(), 0.0f);
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = t * G + g, head = kvh * G + g;
+          const BFloat16* qrow = Qs.row(i, head, t);
+          const BFloat16* drow = dOs.row(i, head, t);
+          const BFloat16* orow = Os.row(i, head, t);
+          std::memcpy(Qr.data() + r * D, qrow, sizeof(BFloat16) * D);
+          std::memcpy(dOr.data() + r * D, drow, sizeof(BFloat16) * D);
+          float sum = 0.0f;
+          for (int64_t d = 0; d < D; ++d) sum += static_cast<float>(drow[d]) * static_cast<float>(orow[d]);
+          delta_r[r] = sum;
+          lse_r[r] = L[(i * H + head) * T + t];
+        }
+      }
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t d = 0; d < D; ++d) Qt[d * R + r] = Qr[r * D + d], dOt[d * R + r] = dOr[r * D + d];
+      std::fill(Kr.begin(), Kr.end(), BFloat16(0.0f));
+      std::fill(Kt.begin(), Kt.end(), BFloat16(0.0f));
+      std::fill(Vt.begin(), Vt.end(), BFloat16(0.0f));
+      for (int64_t t = 0; t < T; ++t) {
+        const BFloat16* krow = Ks.row(i, kvh, t);
+        const BFloat16* vrow = Vs.row(i, kvh, t);
+        std::memcpy(Kr.data() + t * D, krow, sizeof(BFloat16) * D);
+        for (int64_t d = 0; d < D; ++d) Kt[d * Tk + t] = krow[d], Vt[d * Tk + t] = vrow[d];
+      }
+      std::fill(dQ.begin(), dQ.end(), 0.0f);
+      std::fill(dKt.begin(), dKt.end(), 0.0f);
+      std::fill(dVt.begin(), dVt.end(), 0.0f);
+      backward_of(Qr.data(), Qt.data(), dOr.data(), dOt.data(), Kr.data(), Kt.data(), Vt.data(), lse_r.data(),
+                  delta_r.data(), dQ.data(), dKt.data(), dVt.data(), R, Tk, D, G, T, static_cast<float>(scale), vnni);
+      // this task's heads of the results, in bf16
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t g = 0; g < G; ++g) {
+          uint16_t* to = dQo + ((i * H + kvh * G + g) * T + t) * D;
+          const float* from = dQ.data() + (t * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) to[d] = bf16_bits(from[d]);
+        }
+        uint16_t* to_k = dKo + ((i * KVH + kvh) * T + t) * D;
+        uint16_t* to_v = dVo + ((i * KVH + kvh) * T + t) * D;
+        for (int64_t d = 0; d < D; ++d) to_k[d] = bf16_bits(dKt[d * Tk + t]), to_v[d] = bf16_bits(dVt[d * Tk + t]);
+      }
     }
     brgemm_release(vnni);
   });
-  return {dQ, dKt, dVt};
+  return {dq, dk, dv};
 }
 
 // whether this CPU's oneDNN runs a bf16 brgemm (AMX, AVX-512 BF16)
@@ -164,8 +224,8 @@ bool can_run() { return could_pack(at::kBFloat16); }
 }  // namespace
 
 TORCH_LIBRARY(overbrainer_cpu, m) {
-  m.def("causal_attention_backward(Tensor q, Tensor qt, Tensor dout, Tensor doutt, Tensor k, Tensor kt, Tensor vt, "
-        "Tensor lse, Tensor delta, int groups, int length, float scale) -> (Tensor, Tensor, Tensor)");
+  m.def("causal_attention_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, float scale) "
+        "-> (Tensor, Tensor, Tensor)");
   m.def("can_run() -> bool", &can_run);
 }
 
