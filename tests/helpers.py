@@ -199,3 +199,15 @@ def make_project(root: Path, tiny_model: Path) -> Project:
     lines = DEMO_DATA.read_text().splitlines()[:40]
     (root / "chats.jsonl").write_text("\n".join(lines) + "\n")
     return Project(root, json.loads(json.dumps(TINY_PLAN)))
+
+
+def can_build_the_kernel() -> bool:
+    """What the CPU attention kernel needs: Linux on x86-64, a C++ compiler, and a CPU whose
+    oneDNN has a bf16 brgemm (AMX or AVX-512 BF16: its flags say)."""
+    import platform
+
+    from overbrainer.portable.common import cpu_flags
+
+    flags = cpu_flags() or set()
+    return (sys.platform == "linux" and platform.machine() == "x86_64" and shutil.which("c++") is not None
+            and bool({"amx_bf16", "avx512_bf16"} & flags))

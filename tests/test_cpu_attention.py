@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import needs_cpp_compiler
+from helpers import can_build_the_kernel, needs_cpp_compiler
 
 from overbrainer.trainers.builtin import cpu_attention
 from overbrainer.trainers.builtin.cpu_attention import causal_attention
@@ -65,20 +65,6 @@ def backward(request, monkeypatch):
     else:
         monkeypatch.setattr(cpu_attention, "_KERNEL", None)
     return request.param
-
-
-def can_build_the_kernel() -> bool:
-    """What the kernel needs: Linux on x86-64, a C++ compiler, and a CPU whose oneDNN has a
-    bf16 brgemm (AMX or AVX-512 BF16: its flags say)."""
-    import platform
-    import shutil
-    import sys
-
-    from overbrainer.portable.common import cpu_flags
-
-    flags = cpu_flags() or set()
-    return (sys.platform == "linux" and platform.machine() == "x86_64" and shutil.which("c++") is not None
-            and bool({"amx_bf16", "avx512_bf16"} & flags))
 
 
 @pytest.mark.parametrize("heads,kv_heads,length,dim", [(9, 3, 37, 64), (4, 4, 130, 64), (4, 2, 200, 32),

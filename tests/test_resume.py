@@ -13,7 +13,15 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import bake_json, cli, held, needs_cpp_compiler, trainers_of
+from helpers import (
+    bake_json,
+    can_build_the_kernel,
+    cli,
+    held,
+    make_project,
+    needs_cpp_compiler,
+    trainers_of,
+)
 
 from overbrainer.portable.common import oom_kills
 
@@ -247,6 +255,28 @@ def test_bf16_bake_computes_in_bf16_and_resumes_bitwise(project, tmp_path, refer
     assert weights(reference) != weights(references.folder(bf16=False))  # bf16 arithmetic is not fp32's
     project.write(bf16=True)
     killed_then_rerun_ends_as(reference, project, tmp_path / "killed")
+
+
+def test_bf16_bake_through_the_attention_kernel_resumes_bitwise(tmp_path, monkeypatch):
+    """Heads of 16 in bf16 on the CPU: the C++ attention backward where it runs (the log says
+    so). Killed mid-training and rerun, the bake ends bit for bit where an uninterrupted one
+    does (each sequence's and key head's sums in one thread, in one order); and its losses are
+    those of the Python backward's bake, within bf16's rounding."""
+    from tiny import make_tiny_llama
+
+    project = make_project(tmp_path / "project", make_tiny_llama(tmp_path / "wide", hidden=64))
+    project.write(bf16=True)
+    bake_in(tmp_path / "reference", project.plan_path)
+    reference = tmp_path / "reference" / "tiny"
+    assert ("(the attention's backward: a C++ kernel)" in (reference / "log.txt").read_text()) == can_build_the_kernel()
+    killed_then_rerun_ends_as(reference, project, tmp_path / "killed")
+    monkeypatch.setenv("OVERBRAINER_CPU_KERNEL", "0")
+    bake_in(tmp_path / "python", project.plan_path)
+    python = tmp_path / "python" / "tiny"
+    assert "C++ kernel" not in (python / "log.txt").read_text()
+    ours, theirs = losses(reference), losses(python)
+    assert [s for s, _ in ours] == [s for s, _ in theirs]
+    assert all(abs(a - b) <= 0.02 * abs(b) for (_, a), (_, b) in zip(ours, theirs)), (ours, theirs)
 
 
 def test_compiled_bake_resumes_bitwise(project, tmp_path, references):

@@ -89,8 +89,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 def attention_backward(q, k, v, out, lse, grad_out, scale: float):
     """(dq, dk, dv) of causal attention: the compiled kernel's where it runs
     (`kernel_backward`), else `blocked_backward`'s."""
-    D = q.shape[-1]
-    if q.dtype == torch.bfloat16 and D % 16 == 0 and (D <= KERNEL_TILE or D % KERNEL_TILE == 0) and kernel():
+    if q.dtype == torch.bfloat16 and kernel_takes(q.shape[-1]) and kernel():
         return kernel_backward(kernel(), q, k, v, out, lse, grad_out, scale)
     return blocked_backward(q, k, v, out, lse, grad_out, scale)
 
@@ -143,6 +142,22 @@ def blocked_backward(q, k, v, out, lse, grad_out, scale: float, block: int = BLO
     return dq.view(B, H, T, D), dk.mul_(scale).to(k.dtype), dv.to(v.dtype)
 
 
+def kernel_takes(head_size: int) -> bool:
+    """The head sizes the kernel computes: multiples of 16, and of 64 past 64."""
+    return head_size % 16 == 0 and (head_size <= KERNEL_TILE or head_size % KERNEL_TILE == 0)
+
+
+def serves(model) -> bool:
+    """Whether the kernel computes this model's attention backward: the model switched to
+    `NAME` (`use`), heads the kernel takes, and the kernel built (here and now, where it is
+    not yet: before training, not in its first step)."""
+    config = model.config
+    if getattr(config, "_attn_implementation", None) != NAME:
+        return False
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return kernel_takes(head_size) and kernel() is not None
+
+
 def kernel():
     """`torch.ops.overbrainer_cpu.causal_attention_backward`, built from
     `cpu_attention_backward.cpp` on first use (once a machine: its build is kept under the
@@ -177,6 +192,8 @@ def _build_kernel():
 
     if os.environ.get(KERNEL_ENV) == "0" or sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None
+    if not BF16_BRGEMM_FLAGS & (cpu_flags() or set()):
+        return None  # no bf16 brgemm in oneDNN: not worth a build
     if not shutil.which(os.environ.get("CXX") or "c++"):
         return None
     try:
@@ -216,6 +233,9 @@ def _build_kernel():
     return torch.ops.overbrainer_cpu.causal_attention_backward
 
 
+# the CPU flags of the instructions oneDNN's bf16 brgemm runs on (AMX, AVX-512 BF16, AVX2 with
+# bf16 conversions): a CPU with none of them has no kernel built (the kernel asks oneDNN too)
+BF16_BRGEMM_FLAGS = {"amx_bf16", "avx512_bf16", "avx_ne_convert"}
 KERNEL_ENV = "OVERBRAINER_CPU_KERNEL"  # "0": never build or use the kernel
 KERNELS_ENV = "OVERBRAINER_KERNELS"  # where built kernels are kept (default: the cache's kernels/)
 

@@ -54,7 +54,8 @@ def load_model(cfg: dict, device: torch.device, bf16: bool, sharded: bool = Fals
     if device.type == "cpu" and bf16:
         from . import cpu_attention
 
-        cpu_attention.use(model)  # sdpa's forward, a faster bf16 backward for the CPU
+        if cpu_attention.use(model):  # sdpa's forward, a faster bf16 backward for the CPU
+            cpu_attention.serves(model)  # its kernel built now (once a machine), not in the first step
     model.config.use_cache = False
     if adapter == "qlora":
         from peft import prepare_model_for_kbit_training
