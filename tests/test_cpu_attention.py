@@ -91,6 +91,10 @@ def test_the_kernel_computes_the_blocked_backward(heads, kv_heads, length, dim):
             name, (a.float() - b.float()).abs().max().item())
         assert (a.float() - b.float()).norm() <= 0.02 * b.float().norm(), name
     assert all(torch.equal(a, b) for a, b in zip((q, k, v, out, lse, g), given))  # nothing written into the inputs
+    # past the Python backward's longest, the kernel's heads still come here (not to sdpa)
+    long = [t.bfloat16() for t in inputs(1, heads, kv_heads, cpu_attention.LONGEST + 1, dim=dim)[:3]]
+    with torch.enable_grad():
+        assert cpu_attention.applies(None, *long, None, 0.0, True, {})
 
 
 def test_without_a_working_compiler_it_says_so_and_falls_back(tmp_path, monkeypatch, capfd):

@@ -4,15 +4,21 @@ PyTorch's flash attention for the CPU runs its bf16 forward fast, but its bf16 b
 takes 6 to 19 times as long as that forward (2 cores, SmolLM2's 9 heads over 3 KV heads,
 4 sequences of 128 to 512 tokens), where a backward should take two to three: about 30 %
 of a LoRA step of SmolLM2-135M. Here the forward is sdpa's own CPU flash kernel, which also
-returns each row's log-sum-exp; the backward recomputes the attention in blocks of queries
-from that log-sum-exp, as a flash kernel's does (memory linear in the length: no block's
-probabilities outlive it), with the key and value heads shared by their query heads
-without copying them, and skips the blocks above the diagonal.
+returns each row's log-sum-exp; the backward recomputes the attention from that
+log-sum-exp, as a flash kernel's does, with the key and value heads shared by their query
+heads without copying them, and skips what lies above the diagonal. Two backwards compute
+it:
+
+- a C++ kernel (`cpu_attention_backward.cpp`, oneDNN's brgemm through ATen: bf16 operands,
+  float32 scores), built on first use where a C++ compiler and a bf16 brgemm (AMX,
+  AVX-512 BF16) are at hand: 2 to 5 times sdpa's backward (bench/attention.py), any length;
+- in Python otherwise (`blocked_backward`): blocks of queries, memory linear in the length,
+  up to `LONGEST` tokens, past which sdpa's backward is as fast.
 
 The built-in trainer uses it where it was measured faster: training on the CPU in bf16
-(`train.bf16: true`), causal attention without a mask (the loop drops it: right padding),
-no dropout, batches of at most `LONGEST` tokens. Anything else (evaluation, chat, a longer
-batch) goes to transformers' sdpa, unchanged.
+(`train.bf16`), causal attention without a mask (the loop drops it: right padding), no
+dropout. Anything else (evaluation, chat, a longer batch without the kernel) goes to
+transformers' sdpa, unchanged.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ import torch
 
 NAME = "overbrainer_cpu"
 BLOCK = 64  # queries a block; 128 and 256 were slower on 2 cores (bench/README section 4)
-# the longest sequence it takes: past ~600 tokens sdpa's backward was as fast (2 cores)
+# the longest sequence the Python backward takes: past ~600 tokens sdpa's was as fast (2 cores);
+# the kernel takes any length (1.6-2.1x sdpa's at 768 to 2048 tokens, bench/attention.py)
 LONGEST = 512
 # sdpa's CPU flash kernel reads fewer key heads than query heads (GQA) only since pytorch
 # PR 157893 (July 2025, in 2.10 at the latest); an older one reads past the key heads, so its
@@ -262,7 +269,9 @@ def applies(module, query, key, value, attention_mask, dropout, is_causal, kwarg
         and attention_mask is None
         and not dropout
         and causal
-        and 1 < query.shape[2] == key.shape[2] <= LONGEST
+        and 1 < query.shape[2] == key.shape[2]
+        # past LONGEST sdpa's backward is as fast as the Python one, not as the kernel
+        and (key.shape[2] <= LONGEST or (kernel_takes(query.shape[-1]) and kernel() is not None))
         and query.shape[1] % key.shape[1] == 0
         and key.shape == value.shape  # one head size for all three (not DeepSeek's latent attention)
         and query.shape[-1] == key.shape[-1]

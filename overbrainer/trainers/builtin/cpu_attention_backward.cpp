@@ -30,9 +30,10 @@ using at::native::cpublas::pack;
 
 constexpr int64_t TILE = 64;
 
-// e^x for x <= 88, in a form the compiler vectorizes (Cephes' expf: 2^n times a polynomial)
+// e^x, in a form the compiler vectorizes (Cephes' expf: 2^n times a polynomial); x is clamped
+// to [-87, 88] (a masked entry may be far out: its value is dropped)
 inline float exp_approx(float x) {
-  x = std::max(x, -87.0f);
+  x = std::min(std::max(x, -87.0f), 88.0f);
   float n = std::floor(x * 1.44269504088896341f + 0.5f);
   float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float y = 1.9875691500e-4f;
