@@ -68,12 +68,14 @@ def backward(request, monkeypatch):
 
 
 @pytest.mark.parametrize("heads,kv_heads,length,dim", [(9, 3, 37, 64), (4, 4, 130, 64), (4, 2, 200, 32),
-                                                       (2, 1, 2, 64), (8, 2, 100, 128)])
+                                                       (2, 1, 2, 64), (8, 2, 100, 128), (4, 2, 70, 80),
+                                                       (4, 4, 90, 96), (2, 1, 65, 256)])
 def test_the_kernel_computes_the_blocked_backward(heads, kv_heads, length, dim):
     """Where it is built, the kernel's gradients are the Python backward's within bf16's rounding
     (both from sdpa's bf16 forward), for lengths and row counts that are and are not whole
-    tiles, shared and unshared key heads, and head sizes 32, 64 and 128; and it is built and
-    used wherever a C++ compiler and a bf16 brgemm are at hand."""
+    tiles, shared and unshared key heads, and head sizes 32 to 256 (80 and 96 in blocks of 16
+    and 48 columns); and it is built and used wherever a C++ compiler and a bf16 brgemm are at
+    hand."""
     op = cpu_attention.kernel()
     if op is None:
         assert not can_build_the_kernel(), "a C++ compiler and a bf16 brgemm, yet no kernel"

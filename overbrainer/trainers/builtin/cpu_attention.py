@@ -150,8 +150,9 @@ def blocked_backward(q, k, v, out, lse, grad_out, scale: float, block: int = BLO
 
 
 def kernel_takes(head_size: int) -> bool:
-    """The head sizes the kernel computes: multiples of 16, and of 64 past 64."""
-    return head_size % 16 == 0 and (head_size <= KERNEL_TILE or head_size % KERNEL_TILE == 0)
+    """The head sizes the kernel computes: multiples of 16 up to 512 (64, 80 and 96, 128, 256:
+    the families' heads)."""
+    return head_size % 16 == 0 and head_size <= 512
 
 
 def serves(model) -> bool:

@@ -82,6 +82,14 @@ void as_b(const BFloat16* in, int64_t k, int64_t n, int64_t ld, bool vnni, BFloa
   }
 }
 
+// the widest block of at most 64 columns that divides a head size (a multiple of 16): what
+// a packed B operand takes
+int64_t column_block(int64_t D) {
+  for (int64_t n : {64, 48, 32})
+    if (D % n == 0) return n;
+  return 16;
+}
+
 constexpr int64_t CHUNK = 256;  // rows a product takes at once (brgemm's M, or K for dK and dV)
 
 // One task: Q, dO (R x D) and their transposes (D x R); K, V (Tk x D) and their transposes
@@ -89,7 +97,7 @@ constexpr int64_t CHUNK = 256;  // rows a product takes at once (brgemm's M, or 
 void backward_of(const BFloat16* Q, const BFloat16* Qt, const BFloat16* dO, const BFloat16* dOt, const BFloat16* K,
                  const BFloat16* Kt, const BFloat16* Vt, const float* lse, const float* delta, float* dQ, float* dKt,
                  float* dVt, int64_t R, int64_t Tk, int64_t D, int64_t groups, int64_t length, float scale, bool vnni) {
-  const int64_t DB = std::min<int64_t>(D, TILE), ND = D / DB;
+  const int64_t DB = column_block(D), ND = D / DB;
   const int64_t rows_used = std::min(R, (length * groups + TILE - 1) / TILE * TILE);
   std::vector<float> S(CHUNK * TILE), dP(CHUNK * TILE), keys(TILE);
   std::vector<BFloat16> P(CHUNK * TILE), dS(CHUNK * TILE), Pb(CHUNK * TILE), dSb(CHUNK * TILE);
@@ -151,7 +159,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
   TORCH_CHECK(KVH > 0 && H % KVH == 0 && k.sizes() == v.sizes() && k.size(0) == B && k.size(2) == T && k.size(3) == D &&
               out.sizes() == q.sizes() && dout.sizes() == q.sizes() && lse.size(0) == B && lse.size(1) == H &&
               lse.size(2) == T, "matching shapes");
-  TORCH_CHECK(D % 16 == 0 && (D <= TILE || D % TILE == 0), "a head size that is a multiple of 16, and of 64 past 64");
+  TORCH_CHECK(D % 16 == 0 && D <= 512, "a head size that is a multiple of 16, at most 512");
   const int64_t G = H / KVH, R = (T * G + TILE - 1) / TILE * TILE, Tk = (T + TILE - 1) / TILE * TILE;
   auto dq = at::empty({B, H, T, D}, q.options());
   auto dk = at::empty({B, KVH, T, D}, q.options());
