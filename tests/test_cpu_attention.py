@@ -6,6 +6,7 @@ takes it."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -97,6 +98,31 @@ def test_the_kernel_computes_the_blocked_backward(heads, kv_heads, length, dim):
     long = [t.bfloat16() for t in inputs(1, heads, kv_heads, cpu_attention.LONGEST + 1, dim=dim)[:3]]
     with torch.enable_grad():
         assert cpu_attention.applies(None, *long, None, 0.0, True, {})
+
+
+def test_a_build_killed_half_way_is_taken_up_by_the_next(tmp_path):
+    """SIGKILL while the kernel builds (a user's Ctrl-C at a model's first load) leaves torch's
+    build lock behind; the next process to want the kernel builds it all the same, instead of
+    waiting forever on that lock."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    if not can_build_the_kernel():
+        pytest.skip("the kernel is never built here")
+    env = {**os.environ, cpu_attention.KERNELS_ENV: str(tmp_path / "kernels")}
+    code = "from overbrainer.trainers.builtin import cpu_attention as c; print(c.kernel() is not None)"
+    first = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "kernels").glob("*/lock")):
+        assert first.poll() is None and time.monotonic() < deadline, "the build ended before it could be killed"
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert list((tmp_path / "kernels").glob("*/lock"))  # torch's lock, left behind
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert second.stdout.strip() == "True", second.stderr[-2000:]
 
 
 def test_without_a_working_compiler_it_says_so_and_falls_back(tmp_path, monkeypatch, capfd):
