@@ -68,10 +68,12 @@ def backward(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("heads,kv_heads,length,dim", [(9, 3, 37, 64), (4, 4, 130, 64), (4, 2, 200, 32),
-                                                       (2, 1, 2, 64), (8, 2, 100, 128), (4, 2, 70, 80),
-                                                       (4, 4, 90, 96), (2, 1, 65, 256)])
-def test_the_kernel_computes_the_blocked_backward(heads, kv_heads, length, dim):
+@pytest.mark.parametrize("batch,heads,kv_heads,length,dim", [
+    (2, 9, 3, 37, 64), (2, 4, 4, 130, 64), (2, 4, 2, 200, 32), (2, 2, 1, 2, 64), (2, 8, 2, 100, 128),
+    (2, 4, 2, 70, 80), (2, 4, 4, 90, 96), (2, 2, 1, 65, 256),
+    # fewer sequences × key heads than threads, or not a multiple of them: keys cut into parts
+    (1, 9, 3, 200, 64), (1, 2, 1, 300, 64)])
+def test_the_kernel_computes_the_blocked_backward(batch, heads, kv_heads, length, dim):
     """Where it is built, the kernel's gradients are the Python backward's within bf16's rounding
     (both from sdpa's bf16 forward), for lengths and row counts that are and are not whole
     tiles, shared and unshared key heads, and head sizes 32 to 256 (80 and 96 in blocks of 16
@@ -81,7 +83,7 @@ def test_the_kernel_computes_the_blocked_backward(heads, kv_heads, length, dim):
     if op is None:
         assert not can_build_the_kernel(), "a C++ compiler and a bf16 brgemm, yet no kernel"
         pytest.skip("the CPU attention kernel does not run here")
-    q, k, v, g = (t.bfloat16() for t in inputs(2, heads, kv_heads, length, dim=dim))
+    q, k, v, g = (t.bfloat16() for t in inputs(batch, heads, kv_heads, length, dim=dim))
     scale = dim ** -0.5
     out, lse = cpu_attention._attend(q, k, v, scale)
     given = [t.clone() for t in (q, k, v, out, lse, g)]

@@ -8,6 +8,9 @@
 // are never rounded to bf16 before the log-sum-exp is taken off them), P and dS are computed
 // in one vectorized pass, and dQ += dS·K, dVᵀ += dOᵀ·P and dKᵀ += Qᵀ·dS are summed in float32
 // (each task lays out its rows and their transposes once, so that no tile is ever transposed).
+// Where there are fewer tasks than threads (one sequence, few key heads), or not a multiple of
+// them, each task's keys are cut into parts of about equal work, each with a dQ of its own,
+// summed in a fixed order after: the results do not depend on the number of threads.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -72,6 +75,15 @@ void probabilities(const float* __restrict__ s, const float* __restrict__ dp, co
   }
 }
 
+// out (cols x rows) = in (rows x cols)ᵀ, by blocks of 16 x 16 (both sides stay in cache)
+void transpose(const BFloat16* in, int64_t rows, int64_t cols, BFloat16* out) {
+  constexpr int64_t B = 16;
+  for (int64_t r0 = 0; r0 < rows; r0 += B)
+    for (int64_t c0 = 0; c0 < cols; c0 += B)
+      for (int64_t r = r0; r < std::min(r0 + B, rows); ++r)
+        for (int64_t c = c0; c < std::min(c0 + B, cols); ++c) out[c * rows + r] = in[r * cols + c];
+}
+
 // brgemm's B operand from a (k x n) row-major matrix with leading dimension ld (n <= 64):
 // VNNI-packed where the CPU wants it, else copied as it is
 void as_b(const BFloat16* in, int64_t k, int64_t n, int64_t ld, bool vnni, BFloat16* out) {
@@ -92,17 +104,22 @@ int64_t column_block(int64_t D) {
 
 constexpr int64_t CHUNK = 256;  // rows a product takes at once (brgemm's M, or K for dK and dV)
 
-// One task: Q, dO (R x D) and their transposes (D x R); K, V (Tk x D) and their transposes
-// (D x Tk); lse, delta (R). Out: dQ (R x D), dKᵀ and dVᵀ (D x Tk), float32, accumulated.
+// The rows at or after key k0's tile (the causal band's start), and how many rows are used
+int64_t first_row(int64_t k0, int64_t groups) { return (k0 * groups) / TILE * TILE; }
+
+// One task's keys [k_begin, k_end): Q, dO (R x D) and their transposes (D x R); K, V (Tk x D)
+// and their transposes (D x Tk); lse, delta (R). Out: dQ (R x D) and the keys' columns of dKᵀ
+// and dVᵀ (D x Tk), float32, accumulated.
 void backward_of(const BFloat16* Q, const BFloat16* Qt, const BFloat16* dO, const BFloat16* dOt, const BFloat16* K,
                  const BFloat16* Kt, const BFloat16* Vt, const float* lse, const float* delta, float* dQ, float* dKt,
-                 float* dVt, int64_t R, int64_t Tk, int64_t D, int64_t groups, int64_t length, float scale, bool vnni) {
+                 float* dVt, int64_t R, int64_t Tk, int64_t D, int64_t groups, int64_t length, float scale, bool vnni,
+                 int64_t k_begin, int64_t k_end) {
   const int64_t DB = column_block(D), ND = D / DB;
   const int64_t rows_used = std::min(R, (length * groups + TILE - 1) / TILE * TILE);
   std::vector<float> S(CHUNK * TILE), dP(CHUNK * TILE), keys(TILE);
   std::vector<BFloat16> P(CHUNK * TILE), dS(CHUNK * TILE), Pb(CHUNK * TILE), dSb(CHUNK * TILE);
   std::vector<BFloat16> ktB(D * TILE), vtB(D * TILE), kB(TILE * D);
-  for (int64_t k0 = 0; k0 < std::min(length, Tk); k0 += TILE) {
+  for (int64_t k0 = k_begin; k0 < std::min({k_end, length, Tk}); k0 += TILE) {
     // this tile of keys as B operands: Kᵀ and Vᵀ (D x 64) for the scores and dO·Vᵀ, K (64 x DB
     // blocks) for dQ += dS·K
     as_b(Kt + k0, D, TILE, Tk, vnni, ktB.data());
@@ -110,7 +127,7 @@ void backward_of(const BFloat16* Q, const BFloat16* Qt, const BFloat16* dO, cons
     for (int64_t nd = 0; nd < ND; ++nd) as_b(K + k0 * D + nd * DB, TILE, DB, D, vnni, kB.data() + nd * TILE * DB);
     for (int64_t a = 0; a < TILE; ++a) keys[a] = static_cast<float>(k0 + a);
     // the rows at or after these keys' first position, by chunks
-    for (int64_t c0 = (k0 * groups) / TILE * TILE; c0 < rows_used; c0 += CHUNK) {
+    for (int64_t c0 = first_row(k0, groups); c0 < rows_used; c0 += CHUNK) {
       const int64_t M = std::min(CHUNK, rows_used - c0);
       brgemm(M, TILE, D, D, TILE, TILE, false, Q + c0 * D, ktB.data(), S.data(), vnni);
       brgemm(M, TILE, D, D, TILE, TILE, false, dO + c0 * D, vtB.data(), dP.data(), vnni);
@@ -132,6 +149,16 @@ void backward_of(const BFloat16* Q, const BFloat16* Qt, const BFloat16* dO, cons
   }
 }
 
+// a task's heads of dQ (rows t*G + g, float32) into dq (B, H, T, D), in bf16
+void write_dq(const float* dQ, uint16_t* dq, int64_t i, int64_t kvh, int64_t H, int64_t T, int64_t G, int64_t D) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      uint16_t* to = dq + ((i * H + kvh * G + g) * T + t) * D;
+      const float* from = dQ + (t * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) to[d] = bf16_bits(from[d]);
+    }
+}
+
 // a (B, heads, T, D) tensor's element strides, its last dimension dense
 struct Strided {
   const BFloat16* data;
@@ -143,8 +170,8 @@ struct Strided {
 
 // (dq, dk, dv) in bf16, laid out as q, k and v (dense): q, out and dout (B, H, T, D), k and v
 // (B, KVH, T, D), each with a dense last dimension and any other strides; lse (B, H, T) float32.
-// Each task lays out its own rows, transposes and padding (in its thread), and writes its own
-// heads of the results.
+// Each unit of work lays out its task's rows, transposes and padding (in its thread), and
+// writes its own part of the results.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in,
     const at::Tensor& lse_in, const at::Tensor& dout_in, double scale) {
@@ -170,59 +197,124 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
   auto* dKo = reinterpret_cast<uint16_t*>(dk.data_ptr<BFloat16>());
   auto* dVo = reinterpret_cast<uint16_t*>(dv.data_ptr<BFloat16>());
   const bool vnni = could_pack(at::kBFloat16);
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<BFloat16> Qr(R * D), Qt(D * R), dOr(R * D), dOt(D * R), Kr(Tk * D), Kt(D * Tk), Vt(D * Tk);
-    std::vector<float> lse_r(R), delta_r(R), dQ(R * D), dKt(D * Tk), dVt(D * Tk);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / KVH, kvh = task % KVH;
-      // rows (t, g) -> t*G + g, zero past the last; lse and delta = rowsum(dO ∘ O) by row
-      std::fill(Qr.begin(), Qr.end(), BFloat16(0.0f));
-      std::fill(dOr.begin(), dOr.end(), BFloat16(0.0f));
-      std::fill(lse_r.begin(), lse_r.end(), 0.0f);
-      std::fill(delta_r.begin(), delta_r.end(), 0.0f);
-      for (int64_t t = 0; t < T; ++t) {
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = t * G + g, head = kvh * G + g;
-          const BFloat16* qrow = Qs.row(i, head, t);
-          const BFloat16* drow = dOs.row(i, head, t);
-          const BFloat16* orow = Os.row(i, head, t);
-          std::memcpy(Qr.data() + r * D, qrow, sizeof(BFloat16) * D);
-          std::memcpy(dOr.data() + r * D, drow, sizeof(BFloat16) * D);
-          float sum = 0.0f;
-          for (int64_t d = 0; d < D; ++d) sum += static_cast<float>(drow[d]) * static_cast<float>(orow[d]);
-          delta_r[r] = sum;
-          lse_r[r] = L[(i * H + head) * T + t];
-        }
-      }
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t d = 0; d < D; ++d) Qt[d * R + r] = Qr[r * D + d], dOt[d * R + r] = dOr[r * D + d];
-      std::fill(Kr.begin(), Kr.end(), BFloat16(0.0f));
-      std::fill(Kt.begin(), Kt.end(), BFloat16(0.0f));
-      std::fill(Vt.begin(), Vt.end(), BFloat16(0.0f));
-      for (int64_t t = 0; t < T; ++t) {
-        const BFloat16* krow = Ks.row(i, kvh, t);
-        const BFloat16* vrow = Vs.row(i, kvh, t);
-        std::memcpy(Kr.data() + t * D, krow, sizeof(BFloat16) * D);
-        for (int64_t d = 0; d < D; ++d) Kt[d * Tk + t] = krow[d], Vt[d * Tk + t] = vrow[d];
-      }
-      std::fill(dQ.begin(), dQ.end(), 0.0f);
-      std::fill(dKt.begin(), dKt.end(), 0.0f);
-      std::fill(dVt.begin(), dVt.end(), 0.0f);
-      backward_of(Qr.data(), Qt.data(), dOr.data(), dOt.data(), Kr.data(), Kt.data(), Vt.data(), lse_r.data(),
-                  delta_r.data(), dQ.data(), dKt.data(), dVt.data(), R, Tk, D, G, T, static_cast<float>(scale), vnni);
-      // this task's heads of the results, in bf16
-      for (int64_t t = 0; t < T; ++t) {
-        for (int64_t g = 0; g < G; ++g) {
-          uint16_t* to = dQo + ((i * H + kvh * G + g) * T + t) * D;
-          const float* from = dQ.data() + (t * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) to[d] = bf16_bits(from[d]);
-        }
-        uint16_t* to_k = dKo + ((i * KVH + kvh) * T + t) * D;
-        uint16_t* to_v = dVo + ((i * KVH + kvh) * T + t) * D;
-        for (int64_t d = 0; d < D; ++d) to_k[d] = bf16_bits(dKt[d * Tk + t]), to_v[d] = bf16_bits(dVt[d * Tk + t]);
+  const int64_t tasks = B * KVH, threads = at::get_num_threads(), key_tiles = (T + TILE - 1) / TILE;
+  const float scale_f = static_cast<float>(scale);
+
+  // a task's rows (t, g) -> t*G + g and their transposes, its keys and values, padded with
+  // zeros; lse and delta = rowsum(dO ∘ O) by row
+  auto lay_out = [&](int64_t task, BFloat16* Qr, BFloat16* Qt, BFloat16* dOr, BFloat16* dOt, BFloat16* Kr,
+                     BFloat16* Kt, BFloat16* Vt, float* lse_r, float* delta_r) {
+    const int64_t i = task / KVH, kvh = task % KVH;
+    std::fill(Qr, Qr + R * D, BFloat16(0.0f));
+    std::fill(dOr, dOr + R * D, BFloat16(0.0f));
+    std::fill(lse_r, lse_r + R, 0.0f);
+    std::fill(delta_r, delta_r + R, 0.0f);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = t * G + g, head = kvh * G + g;
+        const BFloat16* qrow = Qs.row(i, head, t);
+        const BFloat16* drow = dOs.row(i, head, t);
+        const BFloat16* orow = Os.row(i, head, t);
+        std::memcpy(Qr + r * D, qrow, sizeof(BFloat16) * D);
+        std::memcpy(dOr + r * D, drow, sizeof(BFloat16) * D);
+        float sum = 0.0f;
+        for (int64_t d = 0; d < D; ++d) sum += static_cast<float>(drow[d]) * static_cast<float>(orow[d]);
+        delta_r[r] = sum;
+        lse_r[r] = L[(i * H + head) * T + t];
       }
     }
+    transpose(Qr, R, D, Qt);
+    transpose(dOr, R, D, dOt);
+    std::fill(Kr, Kr + Tk * D, BFloat16(0.0f));
+    std::fill(Kt, Kt + Tk * D, BFloat16(0.0f));
+    std::fill(Vt, Vt + Tk * D, BFloat16(0.0f));
+    for (int64_t t = 0; t < T; ++t) {
+      const BFloat16* krow = Ks.row(i, kvh, t);
+      const BFloat16* vrow = Vs.row(i, kvh, t);
+      std::memcpy(Kr + t * D, krow, sizeof(BFloat16) * D);
+      for (int64_t d = 0; d < D; ++d) Kt[d * Tk + t] = krow[d], Vt[d * Tk + t] = vrow[d];
+    }
+  };
+  // a task's keys [k_begin, k_end) of dK and dV (float32 Dx Tk) into dk and dv, in bf16
+  auto write_dk_dv = [&](int64_t task, const float* dKt, const float* dVt, int64_t k_begin, int64_t k_end) {
+    const int64_t i = task / KVH, kvh = task % KVH;
+    for (int64_t t = k_begin; t < std::min(k_end, T); ++t) {
+      uint16_t* to_k = dKo + ((i * KVH + kvh) * T + t) * D;
+      uint16_t* to_v = dVo + ((i * KVH + kvh) * T + t) * D;
+      for (int64_t d = 0; d < D; ++d) to_k[d] = bf16_bits(dKt[d * Tk + t]), to_v[d] = bf16_bits(dVt[d * Tk + t]);
+    }
+  };
+
+  // Fewer tasks than threads, or not a multiple of them: each task's keys are cut into parts of
+  // about equal work (the causal band makes the early keys' tiles the longest), each part a unit
+  // of work on the task's layout (made once) with a dQ of its own, the parts' dQ summed after.
+  const int64_t parts = tasks % threads == 0 || tasks >= 4 * threads
+      ? 1 : std::min(key_tiles, (4 * threads + tasks - 1) / tasks);
+  if (parts == 1) {  // a task a unit, its layout in its thread's buffers
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<BFloat16> Qr(R * D), Qt(D * R), dOr(R * D), dOt(D * R), Kr(Tk * D), Kt(D * Tk), Vt(D * Tk);
+      std::vector<float> lse_r(R), delta_r(R), dQ(R * D), dKt(D * Tk), dVt(D * Tk);
+      for (int64_t task = begin; task < end; ++task) {
+        lay_out(task, Qr.data(), Qt.data(), dOr.data(), dOt.data(), Kr.data(), Kt.data(), Vt.data(), lse_r.data(),
+                delta_r.data());
+        std::fill(dQ.begin(), dQ.end(), 0.0f);
+        std::fill(dKt.begin(), dKt.end(), 0.0f);
+        std::fill(dVt.begin(), dVt.end(), 0.0f);
+        backward_of(Qr.data(), Qt.data(), dOr.data(), dOt.data(), Kr.data(), Kt.data(), Vt.data(), lse_r.data(),
+                    delta_r.data(), dQ.data(), dKt.data(), dVt.data(), R, Tk, D, G, T, scale_f, vnni, 0, Tk);
+        write_dk_dv(task, dKt.data(), dVt.data(), 0, Tk);
+        write_dq(dQ.data(), dQo, task / KVH, task % KVH, H, T, G, D);
+      }
+      brgemm_release(vnni);
+    });
+    return {dq, dk, dv};
+  }
+  const int64_t rows_used = std::min(R, (T * G + TILE - 1) / TILE * TILE);
+  std::vector<int64_t> bounds{0};  // the parts' first keys, then Tk
+  {
+    int64_t total = 0, done = 0;
+    for (int64_t kt = 0; kt < key_tiles; ++kt) total += rows_used - first_row(kt * TILE, G);
+    for (int64_t kt = 0; kt + 1 < key_tiles; ++kt) {
+      done += rows_used - first_row(kt * TILE, G);
+      if (static_cast<int64_t>(bounds.size()) < parts && done * parts >= total * static_cast<int64_t>(bounds.size()))
+        bounds.push_back((kt + 1) * TILE);
+    }
+    bounds.push_back(Tk);
+  }
+  const int64_t units = static_cast<int64_t>(bounds.size()) - 1;
+  auto bf16 = q.options();
+  auto f32 = q.options().dtype(at::kFloat);
+  auto Qr = at::empty({tasks, R, D}, bf16), Qt = at::empty({tasks, D, R}, bf16), dOr = at::empty({tasks, R, D}, bf16),
+       dOt = at::empty({tasks, D, R}, bf16), Kr = at::empty({tasks, Tk, D}, bf16), Kt = at::empty({tasks, D, Tk}, bf16),
+       Vt = at::empty({tasks, D, Tk}, bf16), lse_r = at::empty({tasks, R}, f32), delta_r = at::empty({tasks, R}, f32);
+  auto dQ = at::zeros({tasks, units, R, D}, f32), dKt = at::zeros({tasks, D, Tk}, f32), dVt = at::zeros({tasks, D, Tk}, f32);
+  auto b16 = [](at::Tensor& x, int64_t task) { return x.data_ptr<BFloat16>() + task * x.stride(0); };
+  auto f = [](at::Tensor& x, int64_t task) { return x.data_ptr<float>() + task * x.stride(0); };
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task)
+      lay_out(task, b16(Qr, task), b16(Qt, task), b16(dOr, task), b16(dOt, task), b16(Kr, task), b16(Kt, task),
+              b16(Vt, task), f(lse_r, task), f(delta_r, task));
+  });
+  at::parallel_for(0, tasks * units, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t task = unit / units, part = unit % units;
+      // dK and dV: this part's own keys' columns; dQ: this part's own sum
+      backward_of(b16(Qr, task), b16(Qt, task), b16(dOr, task), b16(dOt, task), b16(Kr, task), b16(Kt, task),
+                  b16(Vt, task), f(lse_r, task), f(delta_r, task), f(dQ, task) + part * R * D, f(dKt, task),
+                  f(dVt, task), R, Tk, D, G, T, scale_f, vnni, bounds[part], bounds[part + 1]);
+      write_dk_dv(task, f(dKt, task), f(dVt, task), bounds[part], bounds[part + 1]);
+    }
     brgemm_release(vnni);
+  });
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      float* sum = f(dQ, task);
+      for (int64_t part = 1; part < units; ++part) {
+        const float* more = sum + part * R * D;
+        for (int64_t x = 0; x < R * D; ++x) sum[x] += more[x];
+      }
+      write_dq(sum, dQo, task / KVH, task % KVH, H, T, G, D);
+    }
   });
   return {dq, dk, dv};
 }
