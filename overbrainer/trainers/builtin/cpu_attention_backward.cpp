@@ -10,7 +10,8 @@
 // (each task lays out its rows and their transposes once, so that no tile is ever transposed).
 // Where there are fewer tasks than threads (one sequence, few key heads), or not a multiple of
 // them, each task's keys are cut into parts of about equal work, each with a dQ of its own,
-// summed in a fixed order after: the results do not depend on the number of threads.
+// summed in a fixed order after. The same shapes on as many threads give the same bits (how
+// many parts there are follows the number of threads).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
