@@ -249,8 +249,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
   // Fewer tasks than threads, or not a multiple of them: each task's keys are cut into parts of
   // about equal work (the causal band makes the early keys' tiles the longest), each part a unit
   // of work on the task's layout (made once) with a dQ of its own, the parts' dQ summed after.
+  // (at most 8 parts, and the parts' dQ within 256 MiB: a long sequence on many cores)
+  const int64_t dq_bytes = tasks * R * D * static_cast<int64_t>(sizeof(float));
   const int64_t parts = tasks % threads == 0 || tasks >= 4 * threads
-      ? 1 : std::min(key_tiles, (4 * threads + tasks - 1) / tasks);
+      ? 1 : std::max<int64_t>(1, std::min({key_tiles, (4 * threads + tasks - 1) / tasks, int64_t{8},
+                                           (int64_t{256} << 20) / std::max<int64_t>(dq_bytes, 1)}));
   if (parts == 1) {  // a task a unit, its layout in its thread's buffers
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
       std::vector<BFloat16> Qr(R * D), Qt(D * R), dOr(R * D), dOt(D * R), Kr(Tk * D), Kt(D * Tk), Vt(D * Tk);
