@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from . import cpu_attention_kernel
+
 NAME = "overbrainer_cpu"
 BLOCK = 64  # queries a block; 128 and 256 were slower on 2 cores (bench/README section 4)
 # the longest sequence the Python backward takes: past ~600 tokens sdpa's was as fast (2 cores);
@@ -94,10 +96,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def attention_backward(q, k, v, out, lse, grad_out, scale: float):
-    """(dq, dk, dv) of causal attention: the compiled kernel's where it runs
-    (`kernel_backward`), else `blocked_backward`'s."""
-    if q.dtype == torch.bfloat16 and kernel_takes(q.shape[-1]) and kernel():
-        return kernel_backward(kernel(), q, k, v, out, lse, grad_out, scale)
+    """(dq, dk, dv) of causal attention: the C++ kernel's where it runs (`kernel_backward`),
+    else `blocked_backward`'s."""
+    op = kernel_for(q.shape[-1]) if q.dtype == torch.bfloat16 else None
+    if op is not None:
+        return kernel_backward(op, q, k, v, out, lse, grad_out, scale)
     return blocked_backward(q, k, v, out, lse, grad_out, scale)
 
 
@@ -149,12 +152,6 @@ def blocked_backward(q, k, v, out, lse, grad_out, scale: float, block: int = BLO
     return dq.view(B, H, T, D), dk.mul_(scale).to(k.dtype), dv.to(v.dtype)
 
 
-def kernel_takes(head_size: int) -> bool:
-    """The head sizes the kernel computes: multiples of 16 up to 512 (64, 80 and 96, 128, 256:
-    the families' heads)."""
-    return head_size % 16 == 0 and head_size <= 512
-
-
 def serves(model) -> bool:
     """Whether the kernel computes this model's attention backward: the model switched to
     `NAME` (`use`), heads the kernel takes, and the kernel built (here and now, where it is
@@ -163,89 +160,13 @@ def serves(model) -> bool:
     if getattr(config, "_attn_implementation", None) != NAME:
         return False
     head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return kernel_takes(head_size) and kernel() is not None
+    return kernel_for(head_size) is not None
 
 
-def kernel():
-    """`torch.ops.overbrainer_cpu.causal_attention_backward`, built from
-    `cpu_attention_backward.cpp` on first use (once a machine: its build is kept under the
-    cache, ``kernels/``), where this CPU's oneDNN runs a bf16 brgemm (AMX, AVX-512 BF16) and
-    a C++ compiler and ninja are installed; None elsewhere, or where the build failed (one
-    line on stderr says why), and `blocked_backward` is used."""
-    global _KERNEL
-    if _KERNEL is False:
-        _KERNEL = _build_kernel()
-    return _KERNEL
-
-
-_KERNEL: object = False  # not tried yet
-KERNEL_TILE = 64  # the kernel's tiles: 64 keys by 64 rows
-# -march=native: this machine's vector instructions (the build is kept per kind of CPU);
-# -fno-trapping-math: lets the compiler vectorize the probabilities' loop (selects, floor);
-# -fopenmp: at::parallel_for is inline and runs on one thread without it (the OpenMP runtime
-# is then the one torch loaded, by its soname)
-KERNEL_FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
-
-
-def _build_kernel():
-    import hashlib
-    import os
-    import platform
-    import shutil
-    import sys
-    from pathlib import Path
-
-    from ...folder import cache_root
-    from ...portable.common import cpu_flags
-
-    if os.environ.get(KERNEL_ENV) == "0" or sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return None
-    if not BF16_BRGEMM_FLAGS & (cpu_flags() or set()):
-        return None  # no bf16 brgemm in oneDNN: not worth a build
-    if not shutil.which(os.environ.get("CXX") or "c++"):
-        return None
-    try:
-        import ninja  # the PyPI package: its binary, where the system has none
-
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    except ImportError:
-        if not shutil.which("ninja"):
-            return None
-    source = Path(__file__).with_name("cpu_attention_backward.cpp")
-    # one build for each kind of CPU (-march=native), in a cache several machines may share
-    key = "\n".join([source.read_text(), *KERNEL_FLAGS, torch.__version__, sys.version, *sorted(cpu_flags() or ())])
-    name = "overbrainer_cpu_attention_" + hashlib.sha256(key.encode()).hexdigest()[:12]
-    folder = Path(os.environ.get(KERNELS_ENV) or cache_root() / "kernels") / name
-    try:
-        from filelock import FileLock
-        from torch.utils.cpp_extension import load
-
-        folder.mkdir(parents=True, exist_ok=True)
-        # one build at a time (the processes of a run): a lock the system drops with its holder,
-        # so a build killed half-way leaves no lock behind, unlike torch's own, which is removed
-        # here while this one is held
-        with FileLock(folder / ".build.lock"):
-            (folder / "lock").unlink(missing_ok=True)
-            if not any(folder.glob("*.so")):
-                print("building the CPU attention kernel (once on this machine: a few seconds to a minute)",
-                      file=sys.stderr, flush=True)
-            load(name=name, sources=[str(source)], extra_cflags=KERNEL_FLAGS, extra_ldflags=["-fopenmp"],
-                 build_directory=str(folder), is_python_module=False, verbose=False)
-        if not torch.ops.overbrainer_cpu.can_run():
-            return None
-    except Exception as e:  # no compiler that works, a torch without its headers, ...
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        print(f"the CPU attention kernel was not built ({first}): the slower Python backward is used",
-              file=sys.stderr, flush=True)
-        return None
-    return torch.ops.overbrainer_cpu.causal_attention_backward
-
-
-# the CPU flags of the instructions oneDNN's bf16 brgemm runs on (AMX, AVX-512 BF16, AVX2 with
-# bf16 conversions): a CPU with none of them has no kernel built (the kernel asks oneDNN too)
-BF16_BRGEMM_FLAGS = {"amx_bf16", "avx512_bf16", "avx_ne_convert"}
-KERNEL_ENV = "OVERBRAINER_CPU_KERNEL"  # "0": never build or use the kernel
-KERNELS_ENV = "OVERBRAINER_KERNELS"  # where built kernels are kept (default: the cache's kernels/)
+def kernel_for(head_size: int):
+    """The kernel's operator for heads of this size, where it is built (`cpu_attention_kernel`);
+    else None."""
+    return cpu_attention_kernel.op() if cpu_attention_kernel.takes(head_size) else None
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -272,7 +193,7 @@ def applies(module, query, key, value, attention_mask, dropout, is_causal, kwarg
         and causal
         and 1 < query.shape[2] == key.shape[2]
         # past LONGEST sdpa's backward is as fast as the Python one, not as the kernel
-        and (key.shape[2] <= LONGEST or (kernel_takes(query.shape[-1]) and kernel() is not None))
+        and (key.shape[2] <= LONGEST or kernel_for(query.shape[-1]) is not None)
         and query.shape[1] % key.shape[1] == 0
         and key.shape == value.shape  # one head size for all three (not DeepSeek's latent attention)
         and query.shape[-1] == key.shape[-1]
