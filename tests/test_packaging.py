@@ -25,6 +25,8 @@ def test_wheel_has_license_types_and_classifiers(tmp_path):
     (wheel,) = tmp_path.glob("overbrainer-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "overbrainer/py.typed" in names
+    # the CPU attention kernel's source, which an installed package builds on first use
+    assert "overbrainer/trainers/builtin/cpu_attention_backward.cpp" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names), names
     meta = email.message_from_bytes(zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("/METADATA"))))
     classifiers = meta.get_all("Classifier")
