@@ -99,6 +99,7 @@ def quiet_transformers() -> None:
     peft's use of a renamed property (`is_gradient_checkpointing`) gives for every model it
     wraps: nothing there for the user to act on. For the rest of the process (a trainer, a
     merge, a chat), where `_quiet_transformers` below is for one import and restores."""
+    import logging as std_logging
     import warnings
 
     from transformers.utils import logging
@@ -106,6 +107,12 @@ def quiet_transformers() -> None:
     logging.set_verbosity_error()
     logging.disable_progress_bar()
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    # bitsandbytes, imported by peft where it is installed, on a CPU with AVX-512 BF16, asks
+    # the Hub for a 4-bit kernel through the `kernels` package and uses its own when it cannot
+    # have it: a warning from each ("Skipping publisher trust check ... offline mode", "Failed to
+    # load CPU gemm_4bit_forward from kernels-community") in every run's log, none to act on
+    std_logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(std_logging.ERROR)
+    std_logging.getLogger("kernels").setLevel(std_logging.ERROR)
 
 
 # --- GGUF ---------------------------------------------------------------------------------
