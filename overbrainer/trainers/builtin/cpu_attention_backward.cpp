@@ -1,5 +1,5 @@
 // The backward of causal attention, bf16 on a CPU whose oneDNN has a bf16 brgemm (AMX or
-// AVX-512 BF16): cpu_attention.py builds it on first use and calls it where it can.
+// AVX-512 BF16): cpu_attention_kernel.py builds it on first use, cpu_attention.py calls it.
 //
 // One task per (sequence, key head). Its G query heads are stacked as rows (position t, head
 // g) -> row t*G+g, so every product is against the shared key head. For each tile of 64 keys,
@@ -105,7 +105,7 @@ int64_t column_block(int64_t D) {
 
 constexpr int64_t CHUNK = 256;  // rows a product takes at once (brgemm's M, or K for dK and dV)
 
-// The rows at or after key k0's tile (the causal band's start), and how many rows are used
+// the first row (a multiple of 64) a tile of keys starting at k0 reaches: the causal band's start
 int64_t first_row(int64_t k0, int64_t groups) { return (k0 * groups) / TILE * TILE; }
 
 // One task's keys [k_begin, k_end): Q, dO (R x D) and their transposes (D x R); K, V (Tk x D)
