@@ -10,8 +10,8 @@ heads without copying them, and skips what lies above the diagonal. Two backward
 it:
 
 - a C++ kernel (`cpu_attention_backward.cpp`, oneDNN's brgemm through ATen: bf16 operands,
-  float32 scores), built on first use where a C++ compiler and a bf16 brgemm (AMX,
-  AVX-512 BF16) are at hand: 2 to 5 times sdpa's backward (bench/attention.py), any length;
+  float32 scores), built on first use where a C++ compiler and AMX are at hand: 1.6 to 5.4
+  times sdpa's backward (bench/attention.py), any length;
 - in Python otherwise (`blocked_backward`): blocks of queries, memory linear in the length,
   up to `LONGEST` tokens, past which sdpa's backward is as fast.
 

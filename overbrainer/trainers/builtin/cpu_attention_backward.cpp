@@ -1,5 +1,5 @@
-// The backward of causal attention, bf16 on a CPU whose oneDNN has a bf16 brgemm (AMX or
-// AVX-512 BF16): cpu_attention_kernel.py builds it on first use, cpu_attention.py calls it.
+// The backward of causal attention, bf16 on a CPU with AMX (oneDNN's bf16 brgemm with packed
+// operands): cpu_attention_kernel.py builds it on first use, cpu_attention.py calls it.
 //
 // One task per (sequence, key head). Its G query heads are stacked as rows (position t, head
 // g) -> row t*G+g, so every product is against the shared key head. For each tile of 64 keys,
@@ -323,7 +323,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
   return {dq, dk, dv};
 }
 
-// whether this CPU's oneDNN runs a bf16 brgemm (AMX, AVX-512 BF16)
+// whether this CPU's oneDNN runs a bf16 brgemm on packed operands (AMX)
 bool can_run() { return could_pack(at::kBFloat16); }
 
 }  // namespace

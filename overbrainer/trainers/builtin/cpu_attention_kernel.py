@@ -2,8 +2,8 @@
 built with torch's C++ extension loader on first use, once a machine, and kept under the
 cache's ``kernels/`` (``$OVERBRAINER_KERNELS``); used by `cpu_attention` where it runs.
 
-It is built where it can run: Linux on x86-64, a CPU whose oneDNN has a bf16 brgemm (AMX,
-AVX-512 BF16), a C++ compiler (``$CXX``, else ``c++``) and ninja (the PyPI package's, or the
+It is built where it can run: Linux on x86-64, a CPU with AMX (oneDNN's bf16 brgemm with
+packed operands: ATen's `could_pack` asks for AMX, not AVX-512 BF16), a C++ compiler (``$CXX``, else ``c++``) and ninja (the PyPI package's, or the
 system's). A build that fails is one line on stderr, and the Python backward is used.
 ``OVERBRAINER_CPU_KERNEL=0`` turns it off.
 """
@@ -14,9 +14,10 @@ import torch
 
 ENV = "OVERBRAINER_CPU_KERNEL"  # "0": never build or use it
 KERNELS_ENV = "OVERBRAINER_KERNELS"  # where builds are kept (default: the cache's kernels/)
-# the CPU flags of the instructions oneDNN's bf16 brgemm runs on (AMX, AVX-512 BF16, AVX2 with
-# bf16 conversions): a CPU with none of them gets no build (the kernel asks oneDNN too)
-BF16_BRGEMM_FLAGS = {"amx_bf16", "avx512_bf16", "avx_ne_convert"}
+# the CPU flag of the instructions ATen's packed bf16 brgemm needs (`could_pack`: oneDNN's
+# avx512_core_amx; AVX-512 BF16 alone is not enough): a CPU without it gets no build (the
+# kernel asks oneDNN too)
+BF16_BRGEMM_FLAGS = {"amx_bf16"}
 # -march=native: this machine's vector instructions (a build is kept per kind of CPU);
 # -fno-trapping-math: lets the compiler vectorize the probabilities' loop (selects, floor);
 # -fopenmp: at::parallel_for is inline and runs on one thread without it (the OpenMP runtime
