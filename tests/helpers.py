@@ -202,7 +202,7 @@ def make_project(root: Path, tiny_model: Path) -> Project:
 
 
 def can_build_the_kernel() -> bool:
-    """What the CPU attention kernel needs: Linux on x86-64, a C++ compiler, and a CPU whose
+    """What the CPU kernels (the attention's backward, the loss) need: Linux on x86-64, a C++ compiler, and a CPU whose
     oneDNN packs bf16 operands for its brgemm: AMX (ATen's `could_pack`; AVX-512 BF16 alone
     is not enough)."""
     import platform

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from helpers import can_build_the_kernel, needs_cpp_compiler
 
-from overbrainer.trainers.builtin import cpu_attention, cpu_attention_kernel
+from overbrainer.trainers.builtin import cpu_attention, cpu_kernels
 from overbrainer.trainers.builtin.cpu_attention import causal_attention
 
 
@@ -61,10 +61,10 @@ def backward(request, monkeypatch):
     """The backward under test: the built kernel (where this machine builds and runs it) or the
     Python one it falls back to."""
     if request.param == "kernel":
-        if cpu_attention_kernel.op() is None:
-            pytest.skip("the CPU attention kernel does not run here (no bf16 brgemm, or no C++ compiler)")
+        if cpu_kernels.ops() is None:
+            pytest.skip("the CPU kernels do not run here (no bf16 brgemm, or no C++ compiler)")
     else:
-        monkeypatch.setattr(cpu_attention_kernel, "_OP", None)
+        monkeypatch.setattr(cpu_kernels, "_OPS", None)
     return request.param
 
 
@@ -79,7 +79,7 @@ def test_the_kernel_computes_the_blocked_backward(batch, heads, kv_heads, length
     tiles, shared and unshared key heads, and head sizes 32 to 256 (80 and 96 in blocks of 16
     and 48 columns); and it is built and used wherever a C++ compiler and a bf16 brgemm are at
     hand."""
-    op = cpu_attention_kernel.op()
+    op = cpu_attention.kernel_for(dim)
     if op is None:
         assert not can_build_the_kernel(), "a C++ compiler and a bf16 brgemm, yet no kernel"
         pytest.skip("the CPU attention kernel does not run here")
@@ -113,8 +113,8 @@ def test_a_build_killed_half_way_is_taken_up_by_the_next(tmp_path):
 
     if not can_build_the_kernel():
         pytest.skip("the kernel is never built here")
-    env = {**os.environ, cpu_attention_kernel.KERNELS_ENV: str(tmp_path / "kernels")}
-    code = "from overbrainer.trainers.builtin import cpu_attention_kernel as c; print(c.op() is not None)"
+    env = {**os.environ, cpu_kernels.KERNELS_ENV: str(tmp_path / "kernels")}
+    code = "from overbrainer.trainers.builtin import cpu_kernels as c; print(c.ops() is not None)"
     first = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while not list((tmp_path / "kernels").glob("*/lock")):
@@ -133,18 +133,18 @@ def test_without_a_working_compiler_it_says_so_and_falls_back(tmp_path, monkeypa
     OVERBRAINER_CPU_KERNEL=0, without a word."""
     if not can_build_the_kernel():
         pytest.skip("the kernel is never built here")
-    monkeypatch.setattr(cpu_attention_kernel, "_OP", False)
-    monkeypatch.setenv(cpu_attention_kernel.ENV, "0")
-    assert cpu_attention_kernel.op() is None
+    monkeypatch.setattr(cpu_kernels, "_OPS", False)
+    monkeypatch.setenv(cpu_kernels.ENV, "0")
+    assert cpu_kernels.ops() is None
     assert capfd.readouterr().err == ""
-    monkeypatch.setattr(cpu_attention_kernel, "_OP", False)
-    monkeypatch.delenv(cpu_attention_kernel.ENV)
-    monkeypatch.setenv(cpu_attention_kernel.KERNELS_ENV, str(tmp_path / "kernels"))
+    monkeypatch.setattr(cpu_kernels, "_OPS", False)
+    monkeypatch.delenv(cpu_kernels.ENV)
+    monkeypatch.setenv(cpu_kernels.KERNELS_ENV, str(tmp_path / "kernels"))
     monkeypatch.setenv("CXX", "false")
-    assert cpu_attention_kernel.op() is None
+    assert cpu_kernels.ops() is None
     said = [line for line in capfd.readouterr().err.splitlines() if "kernel" in line]
-    assert said[-1].startswith("the CPU attention kernel was not built (") and said[-1].endswith(
-        "the slower Python backward is used"), said
+    assert said[-1].startswith("the CPU kernels were not built (") and said[-1].endswith(
+        "the slower plain paths are used"), said
     x = inputs(2, 4, 2, 40)
     for a, b in zip(forward_backward(ours, *(t.bfloat16() for t in x)), forward_backward(sdpa, *x)):
         assert (a.float() - b).norm() <= 0.02 * b.norm()

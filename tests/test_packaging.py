@@ -25,8 +25,9 @@ def test_wheel_has_license_types_and_classifiers(tmp_path):
     (wheel,) = tmp_path.glob("overbrainer-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "overbrainer/py.typed" in names
-    # the CPU attention kernel's source, which an installed package builds on first use
-    assert "overbrainer/trainers/builtin/cpu_attention_backward.cpp" in names
+    # the CPU kernels' sources, which an installed package builds on first use
+    for kernel in ("cpu_attention_backward.cpp", "cpu_token_loss.cpp", "cpu_kernels.h"):
+        assert f"overbrainer/trainers/builtin/{kernel}" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names), names
     meta = email.message_from_bytes(zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("/METADATA"))))
     classifiers = meta.get_all("Classifier")

@@ -257,11 +257,12 @@ def test_bf16_bake_computes_in_bf16_and_resumes_bitwise(project, tmp_path, refer
     killed_then_rerun_ends_as(reference, project, tmp_path / "killed")
 
 
-def test_bf16_bake_through_the_attention_kernel_resumes_bitwise(tmp_path, monkeypatch):
-    """Heads of 16 in bf16 on the CPU: the C++ attention backward where it runs (the log says
-    so). Killed mid-training and rerun, the bake ends bit for bit where an uninterrupted one
-    does (each sequence's and key head's sums in one thread, in one order); and its losses are
-    those of the Python backward's bake, within bf16's rounding."""
+def test_bf16_bake_through_the_cpu_kernels_resumes_bitwise(tmp_path, monkeypatch):
+    """Heads of 16 in bf16 on the CPU: the C++ attention backward and loss where they run (the
+    log says so). Killed mid-training and rerun, the bake ends bit for bit where an
+    uninterrupted one does (each sequence's and key head's sums in one thread, the
+    vocabulary's parts merged in one order); and its losses are those of the plain paths'
+    bake (the Python backward, the compiled or eager loss), within bf16's rounding."""
     from tiny import make_tiny_llama
 
     project = make_project(tmp_path / "project", make_tiny_llama(tmp_path / "wide", hidden=64))
@@ -269,7 +270,7 @@ def test_bf16_bake_through_the_attention_kernel_resumes_bitwise(tmp_path, monkey
     bake_in(tmp_path / "reference", project.plan_path)
     reference = tmp_path / "reference" / "tiny"
     log = (reference / "log.txt").read_text()
-    assert ("(the attention's backward: a C++ kernel)" in log) == can_build_the_kernel()
+    assert ("(the attention's backward and the loss: C++ kernels)" in log) == can_build_the_kernel()
     assert "kernels-community" not in log  # bitsandbytes' Hub fetch, on AVX-512 BF16 CPUs: quieted
     killed_then_rerun_ends_as(reference, project, tmp_path / "killed")
     monkeypatch.setenv("OVERBRAINER_CPU_KERNEL", "0")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_attention_kernel
+from . import cpu_kernels
 
 NAME = "overbrainer_cpu"
 BLOCK = 64  # queries a block; 128 and 256 were slower on 2 cores (bench/README section 4)
@@ -164,9 +164,15 @@ def serves(model) -> bool:
 
 
 def kernel_for(head_size: int):
-    """The kernel's operator for heads of this size, where it is built (`cpu_attention_kernel`);
-    else None."""
-    return cpu_attention_kernel.op() if cpu_attention_kernel.takes(head_size) else None
+    """The kernel's operator for heads of this size, where it is built (`cpu_kernels`); else None."""
+    ops = cpu_kernels.ops() if kernel_takes(head_size) else None
+    return ops.causal_attention_backward if ops is not None else None
+
+
+def kernel_takes(head_size: int) -> bool:
+    """The head sizes the kernel computes: multiples of 16 up to 512 (64, 80, 96, 128, 256:
+    the families' heads)."""
+    return head_size % 16 == 0 and head_size <= 512
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,

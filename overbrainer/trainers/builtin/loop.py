@@ -41,6 +41,7 @@ from .model import (
     load_model,
     load_weights,
     logit_transform,
+    transformers_model,
 )
 from .profile import Profile
 
@@ -534,8 +535,7 @@ def train(config_path: Path, device: str = "auto", deterministic: bool = False) 
         f"({len(t.val_set)} for validation), {max_steps} steps of {cfg['micro_batch_size']}x"
         f"{cfg['gradient_accumulation_steps']} on {t.device}"
         + (", computing in bf16" if t.bf16 else "")
-        + (" (the attention's backward: a C++ kernel)" if t.bf16 and t.device.type == "cpu"
-           and cpu_attention.serves(t.model) else "")
+        + cpu_kernels_line(t)
         + (" with Liger's kernels" if cfg.get("liger_fused_linear_cross_entropy") else "")
         + (", its decoder layers compiled (the first step waits for the compiler)" if cfg.get("torch_compile") else "")
         + (f" shared by {world.size} processes" if world.size > 1 else "")
@@ -625,6 +625,15 @@ def train(config_path: Path, device: str = "auto", deterministic: bool = False) 
 
     world.close()
     return 0
+
+
+def cpu_kernels_line(t: Training) -> str:
+    """What of a bf16 step on the CPU the C++ kernels compute, for the log's first line."""
+    if not (t.bf16 and t.device.type == "cpu"):
+        return ""
+    parts = [what for what, used in (("the attention's backward", cpu_attention.serves(t.model)),
+                                     ("the loss", t.loss.on_kernel(transformers_model(t.model).get_output_embeddings()))) if used]
+    return f" ({' and '.join(parts)}: C++ kernels)" if parts else ""
 
 
 def make_schedule(optimizer, warmup: int, stable: int, decay: int):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ...inputs.base_cache import quiet_transformers
 from ..examples import IGNORE, tokenizer_settings
+from . import cpu_token_loss
 
 
 def load_model(cfg: dict, device: torch.device, bf16: bool, sharded: bool = False):
@@ -134,7 +135,8 @@ class TokenLoss:
     The output layer runs only where loss is taken: with assistant-only loss that is a
     fraction of the positions, and the vocabulary projection is the largest matmul of a
     small model. With Liger (`fused`), the projection and the loss are one kernel over
-    chunks, and the logits are never held at all.
+    chunks, and the logits are never held at all; in bf16 on a CPU with AMX, a frozen output
+    layer's are one C++ kernel (`cpu_token_loss`) likewise, compiled or not.
 
     With right padding and a causal mask, a real token never attends to a pad (pads come
     after it), so the attention mask is dropped (`mask=False`, on every device): exact on
@@ -176,7 +178,13 @@ class TokenLoss:
             weight = head.weight if head.weight.dtype == kept.dtype else head.weight.to(kept.dtype)
             bias = head.bias if head.bias is None or head.bias.dtype == kept.dtype else head.bias.to(kept.dtype)
             return self.flce(weight, kept if self.scale == 1.0 else kept * self.scale, targets[where], bias)
+        if kept.shape[-1] == head.weight.shape[-1] and cpu_token_loss.applies(kept, head, self.softcap):
+            return cpu_token_loss.token_loss(kept, head.weight, targets[where], self.scale)
         return (self._compiled if self.compiled else self.plain)(kept, head, targets[where])
+
+    def on_kernel(self, head: torch.nn.Module) -> bool:
+        """Whether bf16 hidden states' loss goes to the CPU kernel (`cpu_token_loss`)."""
+        return not self.fused and cpu_token_loss.serves(head, self.softcap)
 
     def plain(self, kept: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(self.logits(head(kept)), targets, reduction="sum")

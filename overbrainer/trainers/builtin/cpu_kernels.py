@@ -1,10 +1,13 @@
-"""The C++ attention backward for bf16 training on the CPU (`cpu_attention_backward.cpp`):
-built with torch's C++ extension loader on first use, once a machine, and kept under the
-cache's ``kernels/`` (``$OVERBRAINER_KERNELS``); used by `cpu_attention` where it runs.
+"""The C++ kernels for bf16 training on the CPU, one library (`torch.ops.overbrainer_cpu`):
+the attention's backward (`cpu_attention_backward.cpp`, used by `cpu_attention`) and the
+output layer's loss (`cpu_token_loss.cpp`, used by `cpu_token_loss`), with what they share
+(`cpu_kernels.h`). Built with torch's C++ extension loader on first use, once a machine, and
+kept under the cache's ``kernels/`` (``$OVERBRAINER_KERNELS``).
 
 It is built where it can run: Linux on x86-64, a CPU with AMX (oneDNN's bf16 brgemm with
 packed operands: ATen's `could_pack` asks for AMX, not AVX-512 BF16), a C++ compiler (``$CXX``, else ``c++``) and ninja (the PyPI package's, or the
-system's). A build that fails is one line on stderr, and the Python backward is used.
+system's). A build that fails is one line on stderr, and the plain paths are used (the
+Python attention backward, the compiled or eager loss).
 ``OVERBRAINER_CPU_KERNEL=0`` turns it off.
 """
 
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-ENV = "OVERBRAINER_CPU_KERNEL"  # "0": never build or use it
+ENV = "OVERBRAINER_CPU_KERNEL"  # "0": never build or use them
 KERNELS_ENV = "OVERBRAINER_KERNELS"  # where builds are kept (default: the cache's kernels/)
 # the CPU flag of the instructions ATen's packed bf16 brgemm needs (`could_pack`: oneDNN's
 # avx512_core_amx; AVX-512 BF16 alone is not enough): a CPU without it gets no build (the
@@ -24,22 +27,19 @@ BF16_BRGEMM_FLAGS = {"amx_bf16"}
 # is then the one torch loaded, by its soname)
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
 
-_OP: object = False  # not tried yet
+SOURCES = ("cpu_attention_backward.cpp", "cpu_token_loss.cpp")
+HEADERS = ("cpu_kernels.h",)
+
+_OPS: object = False  # not tried yet
 
 
-def takes(head_size: int) -> bool:
-    """The head sizes it computes: multiples of 16 up to 512 (64, 80, 96, 128, 256: the
-    families' heads)."""
-    return head_size % 16 == 0 and head_size <= 512
-
-
-def op():
-    """`torch.ops.overbrainer_cpu.causal_attention_backward` where it is built (here and now,
-    the first time) and this CPU runs it; None elsewhere."""
-    global _OP
-    if _OP is False:
-        _OP = _build()
-    return _OP
+def ops():
+    """`torch.ops.overbrainer_cpu` where the kernels are built (here and now, the first time)
+    and this CPU runs them; None elsewhere."""
+    global _OPS
+    if _OPS is False:
+        _OPS = _build()
+    return _OPS
 
 
 def _build():
@@ -66,10 +66,12 @@ def _build():
     except ImportError:
         if not shutil.which("ninja"):
             return None
-    source = Path(__file__).with_name("cpu_attention_backward.cpp")
+    here = Path(__file__).parent
+    sources = [here / name for name in SOURCES]
     # one build for each kind of CPU (-march=native), in a cache several machines may share
-    key = "\n".join([source.read_text(), *FLAGS, torch.__version__, sys.version, *sorted(cpu_flags() or ())])
-    name = "overbrainer_cpu_attention_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    texts = [(here / name).read_text() for name in (*SOURCES, *HEADERS)]
+    key = "\n".join([*texts, *FLAGS, torch.__version__, sys.version, *sorted(cpu_flags() or ())])
+    name = "overbrainer_cpu_kernels_" + hashlib.sha256(key.encode()).hexdigest()[:12]
     folder = Path(os.environ.get(KERNELS_ENV) or cache_root() / "kernels") / name
     try:
         from filelock import FileLock
@@ -82,15 +84,15 @@ def _build():
         with FileLock(folder / ".build.lock"):
             (folder / "lock").unlink(missing_ok=True)
             if not any(folder.glob("*.so")):
-                print("building the CPU attention kernel (once on this machine: a few seconds to a minute)",
+                print("building the CPU kernels (once on this machine: a few seconds to a minute)",
                       file=sys.stderr, flush=True)
-            load(name=name, sources=[str(source)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+            load(name=name, sources=[str(x) for x in sources], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                  build_directory=str(folder), is_python_module=False, verbose=False)
         if not torch.ops.overbrainer_cpu.can_run():
             return None
     except Exception as e:  # no compiler that works, a torch without its headers, ...
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        print(f"the CPU attention kernel was not built ({first}): the slower Python backward is used",
+        print(f"the CPU kernels were not built ({first}): the slower plain paths are used",
               file=sys.stderr, flush=True)
         return None
-    return torch.ops.overbrainer_cpu.causal_attention_backward
+    return torch.ops.overbrainer_cpu

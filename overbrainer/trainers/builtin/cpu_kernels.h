@@ -1,0 +1,71 @@
+// What the CPU kernels share (cpu_attention_backward.cpp, cpu_token_loss.cpp): an exponential
+// the compiler vectorizes, bf16 rounding, and brgemm's B operands. Built by cpu_kernels.py.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace overbrainer_cpu {
+
+using at::BFloat16;
+
+// e^x, in a form the compiler vectorizes (Cephes' expf: 2^n times a polynomial); x is clamped
+// to [-87, 88] (a masked entry may be far out: its value is dropped)
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3333337680e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return y * two_n;
+}
+
+// x rounded to the nearest bf16 (ties to even), as its bits (x is never NaN here)
+inline uint16_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// out (cols x rows) = in (rows x cols)ᵀ, by blocks of 16 x 16 (both sides stay in cache)
+inline void transpose(const BFloat16* in, int64_t rows, int64_t cols, BFloat16* out) {
+  constexpr int64_t B = 16;
+  for (int64_t r0 = 0; r0 < rows; r0 += B)
+    for (int64_t c0 = 0; c0 < cols; c0 += B)
+      for (int64_t r = r0; r < std::min(r0 + B, rows); ++r)
+        for (int64_t c = c0; c < std::min(c0 + B, cols); ++c) out[c * rows + r] = in[r * cols + c];
+}
+
+// brgemm's B operand from a (k x n) row-major matrix with leading dimension ld (n <= 64):
+// VNNI-packed where the CPU wants it, else copied as it is
+inline void as_b(const BFloat16* in, int64_t k, int64_t n, int64_t ld, bool vnni, BFloat16* out) {
+  if (vnni) {
+    at::native::cpublas::pack(k, n, ld, n, at::kBFloat16, at::kBFloat16, in, out);
+  } else {
+    for (int64_t i = 0; i < k; ++i) std::memcpy(out + i * n, in + i * ld, sizeof(BFloat16) * n);
+  }
+}
+
+// the widest block of at most 64 columns that divides a head size (a multiple of 16): what
+// a packed B operand takes
+inline int64_t column_block(int64_t D) {
+  for (int64_t n : {64, 48, 32})
+    if (D % n == 0) return n;
+  return 16;
+}
+
+}  // namespace overbrainer_cpu
