@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from overbrainer.trainers.builtin import cpu_attention, cpu_attention_kernel
+from overbrainer.trainers.builtin import cpu_attention
 
 
 def best_ms(f, rounds: int = 3, calls: int = 20) -> float:
@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    op = cpu_attention_kernel.op()
+    op = cpu_attention.kernel_for(args.dim)
     print(f"# torch {torch.__version__}, {args.threads} threads, batch {args.batch}, {args.heads}/{args.kv_heads} heads "
           f"of {args.dim}; kernel: {'built' if op is not None else 'not available here'}")
     print("| length | sdpa ms | Python ms | kernel ms | kernel vs sdpa | kernel vs Python | rel. error sdpa / Python / kernel |")
