@@ -102,6 +102,37 @@ def test_the_kernel_computes_the_blocked_backward(batch, heads, kv_heads, length
         assert cpu_attention.applies(None, *long, None, 0.0, True, {})
 
 
+@pytest.mark.parametrize("batch,heads,kv_heads,length,dim", [
+    (2, 9, 3, 37, 64), (4, 9, 3, 300, 64), (1, 9, 3, 700, 64), (2, 4, 4, 65, 16), (1, 4, 2, 130, 128),
+    (2, 4, 2, 70, 80), (1, 2, 1, 90, 256), (2, 2, 1, 1, 64)])
+def test_the_forward_kernel_computes_sdpa_s_forward(batch, heads, kv_heads, length, dim):
+    """Where it is built, the forward kernel's output is as close to float32's as sdpa's CPU
+    flash kernel's, and its log-sum-exp is sdpa's within float32's rounding, for inputs laid out
+    as the model's projections give them (viewed (B, T, H, D) and transposed: strided), lengths
+    that are and are not whole tiles or chunks, shared and unshared key heads, and head sizes
+    16 to 256; the output is laid out (B, T, H, D), densely, as the operator's fake says."""
+    forward = cpu_attention.kernel_forward(dim)
+    if forward is None:
+        assert not can_build_the_kernel(), "a C++ compiler and a bf16 brgemm, yet no kernel"
+        pytest.skip("the CPU kernels do not run here")
+    g = torch.Generator().manual_seed(length)
+    q, k, v = (torch.randn(batch, length, h, dim, generator=g).transpose(1, 2) for h in (heads, kv_heads, kv_heads))
+    exact = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+    qb, kb, vb = (x.bfloat16() for x in (q, k, v))
+    scale = dim ** -0.5
+    theirs, their_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qb, kb.repeat_interleave(heads // kv_heads, 1), vb.repeat_interleave(heads // kv_heads, 1), 0.0, True,
+        attn_mask=None, scale=scale)
+    ours, lse = forward(qb, kb, vb, scale)
+    assert ours.shape == (batch, length, heads, dim) and ours.dtype == torch.bfloat16 and ours.is_contiguous()
+    assert lse.shape == (batch, heads, length) and lse.dtype == torch.float32 and lse.is_contiguous()
+    error = (ours.float() - exact).norm() / exact.norm()
+    assert error <= 1.1 * (theirs.transpose(1, 2).float() - exact).norm() / exact.norm() + 1e-4, error
+    assert torch.allclose(lse, their_lse, atol=2e-4), (lse - their_lse).abs().max()
+    assert torch.equal(ours, forward(qb, kb, vb, scale)[0])  # the same bits again
+    assert torch.equal(cpu_attention._attend(qb, kb, vb, scale)[0], ours)  # what the trainer's operator returns
+
+
 def test_a_build_killed_half_way_is_taken_up_by_the_next(tmp_path):
     """SIGKILL while the kernel builds (a user's Ctrl-C at a model's first load) leaves torch's
     build lock behind; the next process to want the kernel builds it all the same, instead of

@@ -26,7 +26,7 @@ def test_wheel_has_license_types_and_classifiers(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "overbrainer/py.typed" in names
     # the CPU kernels' sources, which an installed package builds on first use
-    for kernel in ("cpu_attention_backward.cpp", "cpu_token_loss.cpp", "cpu_kernels.h"):
+    for kernel in ("cpu_attention_forward.cpp", "cpu_attention_backward.cpp", "cpu_token_loss.cpp", "cpu_kernels.h"):
         assert f"overbrainer/trainers/builtin/{kernel}" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names), names
     meta = email.message_from_bytes(zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("/METADATA"))))

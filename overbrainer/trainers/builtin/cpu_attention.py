@@ -1,19 +1,24 @@
-"""Causal attention for training in bf16 on the CPU: sdpa's forward, a faster backward.
+"""Causal attention for training in bf16 on the CPU: C++ kernels where they run, a faster
+backward everywhere.
 
 PyTorch's flash attention for the CPU runs its bf16 forward fast, but its bf16 backward
 takes 6 to 19 times as long as that forward (2 cores, SmolLM2's 9 heads over 3 KV heads,
 4 sequences of 128 to 512 tokens), where a backward should take two to three: about 30 %
-of a LoRA step of SmolLM2-135M. Here the forward is sdpa's own CPU flash kernel, which also
-returns each row's log-sum-exp; the backward recomputes the attention from that
-log-sum-exp, as a flash kernel's does, with the key and value heads shared by their query
-heads without copying them, and skips what lies above the diagonal. Two backwards compute
-it:
+of a LoRA step of SmolLM2-135M. Here the forward returns each row's log-sum-exp with its
+output, and the backward recomputes the attention from that log-sum-exp, as a flash
+kernel's does, with the key and value heads shared by their query heads without copying
+them, and skips what lies above the diagonal. Where a C++ compiler and AMX are at hand
+(`cpu_kernels`: oneDNN's brgemm through ATen, bf16 operands, float32 scores), both are C++
+kernels built on first use:
 
-- a C++ kernel (`cpu_attention_backward.cpp`, oneDNN's brgemm through ATen: bf16 operands,
-  float32 scores), built on first use where a C++ compiler and AMX are at hand: 1.6 to 5.4
-  times sdpa's backward (bench/attention.py), any length;
-- in Python otherwise (`blocked_backward`): blocks of queries, memory linear in the length,
-  up to `LONGEST` tokens, past which sdpa's backward is as fast.
+- the forward (`cpu_attention_forward.cpp`): about sdpa's CPU flash kernel's speed on
+  contiguous inputs, 1.2-1.45x on the strided ones a model's projections give it;
+- the backward (`cpu_attention_backward.cpp`): 1.6 to 5.4 times sdpa's backward
+  (bench/attention.py), any length.
+
+Elsewhere the forward is sdpa's own CPU flash kernel, and the backward is Python's
+(`blocked_backward`): blocks of queries, memory linear in the length, up to `LONGEST`
+tokens, past which sdpa's backward is as fast.
 
 The built-in trainer uses it where it was measured faster: training on the CPU in bf16
 (`train.bf16`), causal attention without a mask (the loop drops it: right padding), no
@@ -42,11 +47,14 @@ KEY_HEADS_SHARED = torch.__version__ >= "2.10"  # TorchVersion: compared as a ve
 @torch.library.custom_op("overbrainer::causal_attention", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)")
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, T, H, D), the rows' log-sum-exp (B, H, T) in float32): sdpa's CPU flash
-    kernel. An operator of its own, opaque to torch.compile, so that compiled decoder
-    layers call it as it is, for any length (traced, the backward's loop over blocks would
-    tie a compiled layer to one length); its outputs' layouts are fixed for the same
-    reason (the kernel's follow the query's)."""
+    """(out (B, T, H, D), the rows' log-sum-exp (B, H, T) in float32): the C++ forward where
+    it runs, else sdpa's CPU flash kernel. An operator of its own, opaque to torch.compile, so
+    that compiled decoder layers call it as it is, for any length (traced, the backward's loop
+    over blocks would tie a compiled layer to one length); its outputs' layouts are fixed for
+    the same reason (sdpa's follow the query's)."""
+    forward = kernel_forward(q.shape[-1]) if q.dtype == torch.bfloat16 else None
+    if forward is not None:
+        return forward(q, k, v, scale)
     kq, vq = k, v
     if k.shape[1] != q.shape[1] and not KEY_HEADS_SHARED:
         kq, vq = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
@@ -167,6 +175,12 @@ def kernel_for(head_size: int):
     """The kernel's operator for heads of this size, where it is built (`cpu_kernels`); else None."""
     ops = cpu_kernels.ops() if kernel_takes(head_size) else None
     return ops.causal_attention_backward if ops is not None else None
+
+
+def kernel_forward(head_size: int):
+    """The forward kernel's operator for heads of this size, where it is built; else None."""
+    ops = cpu_kernels.ops() if kernel_takes(head_size) else None
+    return ops.causal_attention_forward if ops is not None else None
 
 
 def kernel_takes(head_size: int) -> bool:

@@ -1,14 +1,15 @@
 """The C++ kernels for bf16 training on the CPU, one library (`torch.ops.overbrainer_cpu`):
-the attention's backward (`cpu_attention_backward.cpp`, used by `cpu_attention`) and the
-output layer's loss (`cpu_token_loss.cpp`, used by `cpu_token_loss`), with what they share
-(`cpu_kernels.h`). Built with torch's C++ extension loader on first use, once a machine, and
-kept under the cache's ``kernels/`` (``$OVERBRAINER_KERNELS``).
+the attention's forward and backward (`cpu_attention_forward.cpp`,
+`cpu_attention_backward.cpp`, used by `cpu_attention`) and the output layer's loss
+(`cpu_token_loss.cpp`, used by `cpu_token_loss`), with what they share (`cpu_kernels.h`).
+Built with torch's C++ extension loader on first use, once a machine, and kept under the
+cache's ``kernels/`` (``$OVERBRAINER_KERNELS``).
 
-It is built where it can run: Linux on x86-64, a CPU with AMX (oneDNN's bf16 brgemm with
-packed operands: ATen's `could_pack` asks for AMX, not AVX-512 BF16), a C++ compiler (``$CXX``, else ``c++``) and ninja (the PyPI package's, or the
-system's). A build that fails is one line on stderr, and the plain paths are used (the
-Python attention backward, the compiled or eager loss).
-``OVERBRAINER_CPU_KERNEL=0`` turns it off.
+They are built where they can run: Linux on x86-64, a CPU with AMX (oneDNN's bf16 brgemm
+with packed operands: ATen's `could_pack` asks for AMX, not AVX-512 BF16), a C++ compiler
+(``$CXX``, else ``c++``) and ninja (the PyPI package's, or the system's). A build that fails
+is one line on stderr, and the plain paths are used (sdpa's forward, the Python attention
+backward, the compiled or eager loss). ``OVERBRAINER_CPU_KERNEL=0`` turns them off.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ BF16_BRGEMM_FLAGS = {"amx_bf16"}
 # is then the one torch loaded, by its soname)
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
 
-SOURCES = ("cpu_attention_backward.cpp", "cpu_token_loss.cpp")
+SOURCES = ("cpu_attention_forward.cpp", "cpu_attention_backward.cpp", "cpu_token_loss.cpp")
 HEADERS = ("cpu_kernels.h",)
 
 _OPS: object = False  # not tried yet

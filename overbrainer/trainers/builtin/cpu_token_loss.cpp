@@ -47,6 +47,7 @@ using at::native::cpublas::brgemm_release;
 using at::native::cpublas::could_pack;
 using overbrainer_cpu::as_b;
 using overbrainer_cpu::column_block;
+using overbrainer_cpu::exp16;
 using overbrainer_cpu::exp_approx;
 using overbrainer_cpu::transpose;
 
@@ -55,24 +56,6 @@ constexpr int64_t VT2 = 256;   // entries a tile of the backward (dS·W's K: 4 t
 constexpr int64_t ROWS = 512;  // rows a product takes at once (256 and 1024: as fast or slower, 2 cores)
 constexpr int64_t LANES = 16;  // floats in an AVX-512 register
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-
-// e^x for 16 floats: exp_approx's polynomial
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3333337680e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
-}
 
 int64_t padded(int64_t V) { return (V + VT2 - 1) / VT2 * VT2; }
 
