@@ -1,12 +1,16 @@
-"""The bf16 causal attention backward on the CPU, side by side: sdpa's (torch's CPU flash
+"""The bf16 causal attention on the CPU, side by side. The backward: sdpa's (torch's CPU flash
 kernel), the built-in trainer's Python backward (`blocked_backward`) and its C++ kernel
-(`cpu_attention_backward.cpp`, where this machine builds and runs it), on SmolLM2-135M's
-heads (9 query heads over 3 key heads of 64), a batch of 4 sequences of each length.
+(`cpu_attention_backward.cpp`); the forward: sdpa's and the C++ kernel
+(`cpu_attention_forward.cpp`), on inputs laid out as a model's projections give them (viewed
+(B, T, H, D) and transposed). The kernels where this machine builds and runs them; on
+SmolLM2-135M's heads (9 query heads over 3 key heads of 64), a batch of 4 sequences of each
+length.
 
     bench/.venv/bin/python bench/attention.py [--lengths 128,256,384,512] [--threads 2]
 
 Prints milliseconds a backward (the best of 3 rounds of 20 calls) and the kernel's speed-up
-over each, and the largest relative error of each one's gradients against float32's.
+over each, the largest relative error of each one's gradients against float32's, and
+milliseconds a forward, sdpa's and the kernel's.
 """
 
 from __future__ import annotations
@@ -45,8 +49,9 @@ def main() -> None:
     op = cpu_attention.kernel_for(args.dim)
     print(f"# torch {torch.__version__}, {args.threads} threads, batch {args.batch}, {args.heads}/{args.kv_heads} heads "
           f"of {args.dim}; kernel: {'built' if op is not None else 'not available here'}")
-    print("| length | sdpa ms | Python ms | kernel ms | kernel vs sdpa | kernel vs Python | rel. error sdpa / Python / kernel |")
-    print("|---|---|---|---|---|---|---|")
+    print("| length | sdpa ms | Python ms | kernel ms | kernel vs sdpa | kernel vs Python "
+          "| rel. error sdpa / Python / kernel | forward: sdpa ms | kernel ms | kernel vs sdpa |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for length in (int(x) for x in args.lengths.split(",")):
         print(row(length, args, op))
 
@@ -74,12 +79,20 @@ def row(length: int, args, op) -> str:
     def error(grads):
         return max(float((a.float() - e.grad).norm() / e.grad.norm()) for a, e in zip(grads, exact))
 
+    # the forwards, on the layout the projections give: (B, T, H, D) viewed and transposed
+    q_t, k_t, v_t = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (qb, kb, vb))
+    sdpa_forward_ms = best_ms(lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q_t, k_t, v_t, 0.0, True, attn_mask=None, scale=scale))
     if op is None:
-        return f"| {length} | {sdpa_ms:.2f} | {python_ms:.2f} | | | | {error(theirs):.4f} / {error(python):.4f} / |"
+        return (f"| {length} | {sdpa_ms:.2f} | {python_ms:.2f} | | | | {error(theirs):.4f} / {error(python):.4f} / "
+                f"| {sdpa_forward_ms:.2f} | | |")
     mine = cpu_attention.kernel_backward(op, *inputs)
     kernel_ms = best_ms(lambda: cpu_attention.kernel_backward(op, *inputs))
+    forward = cpu_attention.kernel_forward(args.dim)
+    forward_ms = best_ms(lambda: forward(q_t, k_t, v_t, scale))
     return (f"| {length} | {sdpa_ms:.2f} | {python_ms:.2f} | {kernel_ms:.2f} | {sdpa_ms / kernel_ms:.2f}x | "
-            f"{python_ms / kernel_ms:.2f}x | {error(theirs):.4f} / {error(python):.4f} / {error(mine):.4f} |")
+            f"{python_ms / kernel_ms:.2f}x | {error(theirs):.4f} / {error(python):.4f} / {error(mine):.4f} "
+            f"| {sdpa_forward_ms:.2f} | {forward_ms:.2f} | {sdpa_forward_ms / forward_ms:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ them, and skips what lies above the diagonal. Where a C++ compiler and AMX are a
 (`cpu_kernels`: oneDNN's brgemm through ATen, bf16 operands, float32 scores), both are C++
 kernels built on first use:
 
-- the forward (`cpu_attention_forward.cpp`): about sdpa's CPU flash kernel's speed on
-  contiguous inputs, 1.2-1.45x on the strided ones a model's projections give it;
+- the forward (`cpu_attention_forward.cpp`): sdpa's CPU flash kernel's speed alone
+  (0.9-1.1x, bench/attention.py), 1.6x in a compiled training step, where its inputs come
+  cold from the projections (train.profile: 64 ms a step against 103);
 - the backward (`cpu_attention_backward.cpp`): 1.6 to 5.4 times sdpa's backward
   (bench/attention.py), any length.
 
