@@ -33,6 +33,20 @@ MB = 1_000_000
 GB = 1_000_000_000
 
 
+def best_ms(f, rounds: int = 3, calls: int = 20, warmup: int = 3) -> float:
+    """Milliseconds a call of `f`: the best of `rounds` rounds of `calls` calls, after `warmup`
+    calls (for kernels timed in-process; whole commands go through `measure`)."""
+    for _ in range(warmup):
+        f()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            f()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e3
+
+
 def work_dir(name: str) -> Path:
     """A scratch folder for one benchmark, outside the repository (big files)."""
     root = Path(os.environ.get("BENCH_WORK") or Path(tempfile.gettempdir()) / "overbrainer-bench")

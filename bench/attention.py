@@ -16,24 +16,16 @@ milliseconds a forward, sdpa's and the kernel's.
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import best_ms  # noqa: E402
+
 from overbrainer.trainers.builtin import cpu_attention
-
-
-def best_ms(f, rounds: int = 3, calls: int = 20) -> float:
-    for _ in range(3):
-        f()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            f()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e3
 
 
 def main() -> None:

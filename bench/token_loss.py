@@ -14,25 +14,17 @@ hidden states' gradient).
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import best_ms  # noqa: E402
+
 from overbrainer.trainers.builtin import cpu_kernels, cpu_token_loss
 from overbrainer.trainers.builtin.model import TokenLoss
-
-
-def best_ms(f, rounds: int = 3, calls: int = 5) -> float:
-    for _ in range(2):
-        f()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            f()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e3
 
 
 def main() -> None:
@@ -81,7 +73,7 @@ def row(rows: int, head, plain: TokenLoss, compiled: TokenLoss, built: bool, g: 
         loss, grad = run(side)
         errors[name] = (abs(loss.item() - exact.item()) / abs(exact.item()),
                         float((grad.float() - exact_x.grad).norm() / exact_x.grad.norm()))
-        ms[name] = best_ms(lambda side=side: run(side))
+        ms[name] = best_ms(lambda side=side: run(side), calls=5, warmup=2)
     kernel = ms.get("kernel")
     speedups = [f"{ms[other] / kernel:.2f}x" if kernel else "" for other in ("eager", "compiled")]
     return (f"| {rows} | {ms['eager']:.1f} | {ms['compiled']:.1f} | {f'{kernel:.1f}' if kernel else ''} "

@@ -28,15 +28,7 @@
 
 namespace {
 
-using at::BFloat16;
-using at::native::cpublas::brgemm;
-using at::native::cpublas::brgemm_release;
-using at::native::cpublas::could_pack;
-using overbrainer_cpu::as_b;
-using overbrainer_cpu::bf16_bits;
-using overbrainer_cpu::column_block;
-using overbrainer_cpu::exp_approx;
-using overbrainer_cpu::transpose;
+using namespace overbrainer_cpu;  // the kernels' shared helpers (cpu_kernels.h)
 
 constexpr int64_t TILE = 64;
 

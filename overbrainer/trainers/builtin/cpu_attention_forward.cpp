@@ -31,19 +31,10 @@
 
 namespace {
 
-using at::BFloat16;
-using at::native::cpublas::brgemm;
-using at::native::cpublas::brgemm_release;
-using at::native::cpublas::could_pack;
-using overbrainer_cpu::as_b;
-using overbrainer_cpu::column_block;
-using overbrainer_cpu::exp16;
-using overbrainer_cpu::transpose;
+using namespace overbrainer_cpu;  // the kernels' shared helpers (cpu_kernels.h)
 
 constexpr int64_t TILE = 64;    // keys a tile
 constexpr int64_t CHUNK = 256;  // rows a unit of work
-constexpr int64_t LANES = 16;
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 std::tuple<at::Tensor, at::Tensor> causal_attention_forward(const at::Tensor& q_in, const at::Tensor& k_in,
                                                             const at::Tensor& v_in, double scale) {

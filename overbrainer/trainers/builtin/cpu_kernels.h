@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -17,6 +18,12 @@
 namespace overbrainer_cpu {
 
 using at::BFloat16;
+using at::native::cpublas::brgemm;
+using at::native::cpublas::brgemm_release;
+using at::native::cpublas::could_pack;
+
+constexpr int64_t LANES = 16;  // floats in an AVX-512 register
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 // e^x, in a form the compiler vectorizes (Cephes' expf: 2^n times a polynomial); x is clamped
 // to [-87, 88] (a masked entry may be far out: its value is dropped)

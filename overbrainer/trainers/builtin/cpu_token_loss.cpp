@@ -41,21 +41,11 @@
 
 namespace {
 
-using at::BFloat16;
-using at::native::cpublas::brgemm;
-using at::native::cpublas::brgemm_release;
-using at::native::cpublas::could_pack;
-using overbrainer_cpu::as_b;
-using overbrainer_cpu::column_block;
-using overbrainer_cpu::exp16;
-using overbrainer_cpu::exp_approx;
-using overbrainer_cpu::transpose;
+using namespace overbrainer_cpu;  // the kernels' shared helpers (cpu_kernels.h)
 
 constexpr int64_t VT = 64;     // vocabulary entries a tile of the forward's scores (brgemm's N)
 constexpr int64_t VT2 = 256;   // entries a tile of the backward (dS·W's K: 4 tiles of scores)
 constexpr int64_t ROWS = 512;  // rows a product takes at once (256 and 1024: as fast or slower, 2 cores)
-constexpr int64_t LANES = 16;  // floats in an AVX-512 register
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 int64_t padded(int64_t V) { return (V + VT2 - 1) / VT2 * VT2; }
 
