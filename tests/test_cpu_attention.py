@@ -133,6 +133,29 @@ def test_the_forward_kernel_computes_sdpa_s_forward(batch, heads, kv_heads, leng
     assert torch.equal(cpu_attention._attend(qb, kb, vb, scale)[0], ours)  # what the trainer's operator returns
 
 
+@pytest.mark.parametrize("batch,kv_heads", [(1, 3), (4, 3)])
+def test_the_kernels_give_the_same_bits_on_any_number_of_threads(batch, kv_heads):
+    """How the kernels cut their work (the backward's parts of each task's keys, with one
+    sequence) follows the shapes, never the threads: forward and backward give the same bits on
+    1, 2 and 3 threads (the ranks of a run may have different numbers of threads, and a run
+    resumed elsewhere too)."""
+    op = cpu_attention.kernel_for(64)
+    if op is None:
+        pytest.skip("the CPU kernels do not run here")
+    q, k, v, g = (t.bfloat16() for t in inputs(batch, 3 * kv_heads, kv_heads, 300))
+    scale = 0.125
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            out, lse = cpu_attention.kernel_forward(64)(q, k, v, scale)
+            runs.append((out, lse, *op(q, k, v, out.transpose(1, 2), lse, g, scale)))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
+
+
 def test_a_build_killed_half_way_is_taken_up_by_the_next(tmp_path):
     """SIGKILL while the kernel builds (a user's Ctrl-C at a model's first load) leaves torch's
     build lock behind; the next process to want the kernel builds it all the same, instead of

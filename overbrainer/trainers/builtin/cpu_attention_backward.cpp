@@ -8,10 +8,10 @@
 // are never rounded to bf16 before the log-sum-exp is taken off them), P and dS are computed
 // in one vectorized pass, and dQ += dS·K, dVᵀ += dOᵀ·P and dKᵀ += Qᵀ·dS are summed in float32
 // (each task lays out its rows and their transposes once, so that no tile is ever transposed).
-// Where there are fewer tasks than threads (one sequence, few key heads), or not a multiple of
-// them, each task's keys are cut into parts of about equal work, each with a dQ of its own,
-// summed in a fixed order after. The same shapes on as many threads give the same bits (how
-// many parts there are follows the number of threads).
+// Where there are few tasks (one or two sequences, few key heads), each task's keys are cut into
+// parts of about equal work, each with a dQ of its own, summed in a fixed order after. How many
+// parts there are follows the shapes, not the threads: the same inputs give the same bits on
+// any number of threads.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -48,6 +48,7 @@ void probabilities(const float* __restrict__ s, const float* __restrict__ dp, co
 }
 
 constexpr int64_t CHUNK = 256;  // rows a product takes at once (brgemm's M, or K for dK and dV)
+constexpr int64_t SPLIT_BELOW = 8;  // tasks under which each task's keys are cut into parts
 
 // the first row (a multiple of 64) a tile of keys starting at k0 reaches: the causal band's start
 int64_t first_row(int64_t k0, int64_t groups) { return (k0 * groups) / TILE * TILE; }
@@ -142,7 +143,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
   auto* dKo = reinterpret_cast<uint16_t*>(dk.data_ptr<BFloat16>());
   auto* dVo = reinterpret_cast<uint16_t*>(dv.data_ptr<BFloat16>());
   const bool vnni = could_pack(at::kBFloat16);
-  const int64_t tasks = B * KVH, threads = at::get_num_threads(), key_tiles = (T + TILE - 1) / TILE;
+  const int64_t tasks = B * KVH, key_tiles = (T + TILE - 1) / TILE;
   const float scale_f = static_cast<float>(scale);
 
   // a task's rows (t, g) -> t*G + g and their transposes, its keys and values, padded with
@@ -190,13 +191,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
     }
   };
 
-  // Fewer tasks than threads, or not a multiple of them: each task's keys are cut into parts of
-  // about equal work (the causal band makes the early keys' tiles the longest), each part a unit
-  // of work on the task's layout (made once) with a dQ of its own, the parts' dQ summed after.
-  // (at most 8 parts, and the parts' dQ within 256 MiB: a long sequence on many cores)
+  // Fewer than 8 tasks (one or two sequences, few key heads): each task's keys are cut into parts
+  // of about equal work (the causal band makes the early keys' tiles the longest), each part a
+  // unit of work on the task's layout (made once) with a dQ of its own, the parts' dQ summed
+  // after: about 8 units in all. How many follows the shapes, never the threads, so that the
+  // bits are the same on any number of them (the ranks of a run may have different numbers).
+  // (at most 8 parts, and the parts' dQ within 256 MiB: a long sequence)
   const int64_t dq_bytes = tasks * R * D * static_cast<int64_t>(sizeof(float));
-  const int64_t parts = tasks % threads == 0 || tasks >= 4 * threads
-      ? 1 : std::max<int64_t>(1, std::min({key_tiles, (4 * threads + tasks - 1) / tasks, int64_t{8},
+  const int64_t parts = tasks >= SPLIT_BELOW
+      ? 1 : std::max<int64_t>(1, std::min({key_tiles, (SPLIT_BELOW + tasks - 1) / tasks, int64_t{8},
                                            (int64_t{256} << 20) / std::max<int64_t>(dq_bytes, 1)}));
   if (parts == 1) {  // a task a unit, its layout in its thread's buffers
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {

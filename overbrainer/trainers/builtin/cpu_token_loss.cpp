@@ -14,10 +14,12 @@
 //   the row's gradient in bf16, and dH += dS·W_tile.
 //
 // The weight is packed once (`pack_output_layer`: the layouts brgemm reads) and kept by the
-// caller while it does not change. Each thread takes a contiguous part of the vocabulary, with
-// partial sums of its own, merged in a fixed order: the same shapes on as many threads give the
-// same bits. The logits are float32 sums of bf16 products, as Liger's fused loss computes them
-// (a plain bf16 matmul rounds them to bf16 first).
+// caller while it does not change. The vocabulary is cut into contiguous parts, each with
+// partial sums of its own, merged in a fixed order; how many parts there are follows the
+// vocabulary, not the threads: the same inputs give the same bits on any number of threads
+// (the ranks of a run may have different numbers). The logits are float32 sums of bf16
+// products, as Liger's fused loss computes them (a plain bf16 matmul rounds them to bf16
+// first).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -49,9 +51,15 @@ constexpr int64_t ROWS = 512;  // rows a product takes at once (256 and 1024: as
 
 int64_t padded(int64_t V) { return (V + VT2 - 1) / VT2 * VT2; }
 
-// the contiguous parts the vocabulary's tiles are dealt into, about equal: one a thread
-std::vector<int64_t> parts_of(int64_t tiles) {
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles));
+// The parts the vocabulary's tiles are dealt into: contiguous, about equal, as many as `most`
+// at most, however many threads there are (each part's sums are its own, merged in its order:
+// the bits do not depend on the threads). The forward's partial sums are a few floats a row,
+// so it cuts finer than the backward, whose parts each hold a float32 dH.
+constexpr int64_t FORWARD_PARTS = 16;
+constexpr int64_t BACKWARD_PARTS = 4;
+
+std::vector<int64_t> parts_of(int64_t tiles, int64_t most) {
+  const int64_t parts = std::max<int64_t>(1, std::min(most, tiles));
   std::vector<int64_t> bounds;
   for (int64_t p = 0; p <= parts; ++p) bounds.push_back(tiles * p / parts);
   return bounds;
@@ -100,7 +108,7 @@ std::tuple<at::Tensor, at::Tensor> token_loss_forward(const at::Tensor& hidden_i
   const int64_t L = hidden.size(0), D = hidden.size(1), tiles = scores_b.size(0);
   TORCH_CHECK(scores_b.size(1) == D * VT && tiles * VT == padded(V), "an output layer packed for this hidden size");
   const bool vnni = could_pack(at::kBFloat16);
-  const auto bounds = parts_of(tiles);
+  const auto bounds = parts_of(tiles, FORWARD_PARTS);
   const int64_t parts = static_cast<int64_t>(bounds.size()) - 1;
   // each part's running maximum and sum of e^(logit - maximum), by row; the target's logit
   std::vector<float> most(parts * L, NEG_INF), sums(parts * L, 0.0f), picked(L, 0.0f);
@@ -180,8 +188,8 @@ at::Tensor token_loss_backward(const at::Tensor& hidden_in, const at::Tensor& sc
   TORCH_CHECK(grad_b.size(1) == ND && grad_b.size(2) == VT2 * DB && scores_b.size(0) == tiles * (VT2 / VT) &&
               scores_b.size(1) == D * VT && tiles * VT2 == padded(V), "an output layer packed for this hidden size");
   const bool vnni = could_pack(at::kBFloat16);
-  const auto bounds = parts_of(tiles);
-  const int64_t parts = static_cast<int64_t>(bounds.size()) - 1;
+  const auto bounds = parts_of(tiles, BACKWARD_PARTS);
+  const int64_t parts = static_cast<int64_t>(bounds.size()) - 1, chunks = (L + ROWS - 1) / ROWS;
   auto sums = at::zeros({parts, L, D}, hidden.options().dtype(at::kFloat));  // each part's dH, float32
   const BFloat16* H = hidden.data_ptr<BFloat16>();
   const BFloat16* SB = scores_b.data_ptr<BFloat16>();
@@ -191,14 +199,17 @@ at::Tensor token_loss_backward(const at::Tensor& hidden_in, const at::Tensor& sc
   const float* G = grad.data_ptr<float>();
   float* out = sums.data_ptr<float>();
   const float s_ = static_cast<float>(scale);
-  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+  // a unit: one part of the vocabulary against one chunk of rows (part by part: a thread's
+  // units share their tiles)
+  at::parallel_for(0, parts * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> S(ROWS * VT2);
     std::vector<BFloat16> dS(ROWS * VT2);
     const __m512 sc = _mm512_set1_ps(s_);
-    for (int64_t part = begin; part < end; ++part) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t part = unit / chunks;
       float* acc = out + part * L * D;
-      for (int64_t r0 = 0; r0 < L; r0 += ROWS) {
-        const int64_t M = std::min(ROWS, L - r0);
+      {
+        const int64_t r0 = (unit % chunks) * ROWS, M = std::min(ROWS, L - r0);
         for (int64_t tile = bounds[part]; tile < bounds[part + 1]; ++tile) {
           const int64_t v0 = tile * VT2, real = std::min(VT2, V - v0);
           if (real <= 0) continue;
@@ -228,7 +239,16 @@ at::Tensor token_loss_backward(const at::Tensor& hidden_in, const at::Tensor& sc
     }
     brgemm_release(vnni);
   });
-  return sums.sum(0).to(at::kBFloat16);  // the parts summed in their order
+  auto grad_hidden = at::empty({L, D}, hidden.options());
+  auto* to = reinterpret_cast<uint16_t*>(grad_hidden.data_ptr<BFloat16>());
+  at::parallel_for(0, L * D, 4096, [&](int64_t begin, int64_t end) {  // the parts summed in their order
+    for (int64_t x = begin; x < end; ++x) {
+      float total = out[x];
+      for (int64_t part = 1; part < parts; ++part) total += out[part * L * D + x];
+      to[x] = bf16_bits(total);
+    }
+  });
+  return grad_hidden;
 }
 
 }  // namespace
