@@ -173,21 +173,21 @@ def serves(model) -> bool:
 
 
 def kernel_for(head_size: int):
-    """The kernel's operator for heads of this size, where it is built (`cpu_kernels`); else None."""
-    ops = cpu_kernels.ops() if kernel_takes(head_size) else None
+    """The backward kernel's operator for heads of this size, where it is built; else None."""
+    ops = kernels_for(head_size)
     return ops.causal_attention_backward if ops is not None else None
 
 
 def kernel_forward(head_size: int):
     """The forward kernel's operator for heads of this size, where it is built; else None."""
-    ops = cpu_kernels.ops() if kernel_takes(head_size) else None
+    ops = kernels_for(head_size)
     return ops.causal_attention_forward if ops is not None else None
 
 
-def kernel_takes(head_size: int) -> bool:
-    """The head sizes the kernel computes: multiples of 16 up to 512 (64, 80, 96, 128, 256:
-    the families' heads)."""
-    return head_size % 16 == 0 and head_size <= 512
+def kernels_for(head_size: int):
+    """`cpu_kernels.ops()` for heads the attention kernels compute: multiples of 16 up to 512
+    (64, 80, 96, 128, 256: the families' heads); else None."""
+    return cpu_kernels.ops() if head_size % 16 == 0 and head_size <= 512 else None
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,

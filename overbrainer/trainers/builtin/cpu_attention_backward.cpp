@@ -196,10 +196,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
   // unit of work on the task's layout (made once) with a dQ of its own, the parts' dQ summed
   // after: about 8 units in all. How many follows the shapes, never the threads, so that the
   // bits are the same on any number of them (the ranks of a run may have different numbers).
-  // (at most 8 parts, and the parts' dQ within 256 MiB: a long sequence)
+  // (at most SPLIT_BELOW parts, and the parts' dQ within 256 MiB: a long sequence)
   const int64_t dq_bytes = tasks * R * D * static_cast<int64_t>(sizeof(float));
   const int64_t parts = tasks >= SPLIT_BELOW
-      ? 1 : std::max<int64_t>(1, std::min({key_tiles, (SPLIT_BELOW + tasks - 1) / tasks, int64_t{8},
+      ? 1 : std::max<int64_t>(1, std::min({key_tiles, (SPLIT_BELOW + tasks - 1) / tasks,
                                            (int64_t{256} << 20) / std::max<int64_t>(dq_bytes, 1)}));
   if (parts == 1) {  // a task a unit, its layout in its thread's buffers
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {

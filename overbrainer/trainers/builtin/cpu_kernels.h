@@ -1,5 +1,6 @@
-// What the CPU kernels share (cpu_attention_backward.cpp, cpu_token_loss.cpp): an exponential
-// the compiler vectorizes, bf16 rounding, and brgemm's B operands. Built by cpu_kernels.py.
+// What the CPU kernels share (cpu_attention_forward.cpp, cpu_attention_backward.cpp,
+// cpu_token_loss.cpp): exponentials, bf16 rounding, brgemm's B operands and the names they
+// use. Built by cpu_kernels.py.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -28,8 +28,6 @@
 
 #include "cpu_kernels.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -208,33 +206,31 @@ at::Tensor token_loss_backward(const at::Tensor& hidden_in, const at::Tensor& sc
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t part = unit / chunks;
       float* acc = out + part * L * D;
-      {
-        const int64_t r0 = (unit % chunks) * ROWS, M = std::min(ROWS, L - r0);
-        for (int64_t tile = bounds[part]; tile < bounds[part + 1]; ++tile) {
-          const int64_t v0 = tile * VT2, real = std::min(VT2, V - v0);
-          if (real <= 0) continue;
-          for (int64_t j = 0; j < VT2 / VT; ++j)
-            brgemm(M, VT, D, D, VT, VT2, false, H + r0 * D, SB + (tile * (VT2 / VT) + j) * D * VT, S.data() + j * VT,
-                   vnni);
-          for (int64_t i = 0; i < M; ++i) {
-            const int64_t r = r0 + i;
-            const float* s = S.data() + i * VT2;
-            BFloat16* d = dS.data() + i * VT2;
-            const __m512 lr = _mm512_set1_ps(LS[r]), g = _mm512_set1_ps(G[r] * s_);
-            for (int64_t j = 0; j < VT2; j += LANES) {
-              __m512 p = exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), sc, lr));
-              if (j + LANES > real)  // entries past the vocabulary: no probability
-                p = _mm512_maskz_mov_ps(real > j ? static_cast<__mmask16>((1u << (real - j)) - 1u) : 0, p);
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + j), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(p, g)));
-            }
-            const int64_t t = T[r] - v0;
-            if (t >= 0 && t < real)  // the target's entry: (p - 1) · g, from the same float32 p
-              d[t] = BFloat16((exp_approx(s[t] * s_ - LS[r]) - 1.0f) * G[r] * s_);
+      const int64_t r0 = (unit % chunks) * ROWS, M = std::min(ROWS, L - r0);
+      for (int64_t tile = bounds[part]; tile < bounds[part + 1]; ++tile) {
+        const int64_t v0 = tile * VT2, real = std::min(VT2, V - v0);
+        if (real <= 0) continue;
+        for (int64_t j = 0; j < VT2 / VT; ++j)
+          brgemm(M, VT, D, D, VT, VT2, false, H + r0 * D, SB + (tile * (VT2 / VT) + j) * D * VT, S.data() + j * VT,
+                 vnni);
+        for (int64_t i = 0; i < M; ++i) {
+          const int64_t r = r0 + i;
+          const float* s = S.data() + i * VT2;
+          BFloat16* d = dS.data() + i * VT2;
+          const __m512 lr = _mm512_set1_ps(LS[r]), g = _mm512_set1_ps(G[r] * s_);
+          for (int64_t j = 0; j < VT2; j += LANES) {
+            __m512 p = exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), sc, lr));
+            if (j + LANES > real)  // entries past the vocabulary: no probability
+              p = _mm512_maskz_mov_ps(real > j ? static_cast<__mmask16>((1u << (real - j)) - 1u) : 0, p);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + j), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(p, g)));
           }
-          for (int64_t nd = 0; nd < ND; ++nd)
-            brgemm(M, DB, VT2, VT2, DB, D, true, dS.data(), GB + (tile * ND + nd) * VT2 * DB, acc + r0 * D + nd * DB,
-                   vnni);
+          const int64_t t = T[r] - v0;
+          if (t >= 0 && t < real)  // the target's entry: (p - 1) · g, from the same float32 p
+            d[t] = BFloat16((exp_approx(s[t] * s_ - LS[r]) - 1.0f) * G[r] * s_);
         }
+        for (int64_t nd = 0; nd < ND; ++nd)
+          brgemm(M, DB, VT2, VT2, DB, D, true, dS.data(), GB + (tile * ND + nd) * VT2 * DB, acc + r0 * D + nd * DB,
+                 vnni);
       }
     }
     brgemm_release(vnni);

@@ -178,7 +178,7 @@ class TokenLoss:
             weight = head.weight if head.weight.dtype == kept.dtype else head.weight.to(kept.dtype)
             bias = head.bias if head.bias is None or head.bias.dtype == kept.dtype else head.bias.to(kept.dtype)
             return self.flce(weight, kept if self.scale == 1.0 else kept * self.scale, targets[where], bias)
-        if kept.shape[-1] == head.weight.shape[-1] and cpu_token_loss.applies(kept, head, self.softcap):
+        if cpu_token_loss.applies(kept, head, self.softcap):
             return cpu_token_loss.token_loss(kept, head.weight, targets[where], self.scale)
         return (self._compiled if self.compiled else self.plain)(kept, head, targets[where])
 
