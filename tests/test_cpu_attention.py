@@ -194,6 +194,11 @@ def test_without_a_working_compiler_it_says_so_and_falls_back(tmp_path, monkeypa
     monkeypatch.setattr(cpu_kernels, "_OPS", False)
     monkeypatch.delenv(cpu_kernels.ENV)
     monkeypatch.setenv(cpu_kernels.KERNELS_ENV, str(tmp_path / "kernels"))
+    # inductor reads $CXX once, when its config is first imported: read before CXX is
+    # replaced, or every later compilation in this process would fail (`-k compile` ran
+    # this test first and broke the compiled-layers test after it)
+    import torch._inductor.config  # noqa: F401
+
     monkeypatch.setenv("CXX", "false")
     assert cpu_kernels.ops() is None
     said = [line for line in capfd.readouterr().err.splitlines() if "kernel" in line]
