@@ -212,3 +212,19 @@ def can_build_the_kernel() -> bool:
     flags = cpu_flags() or set()
     return (sys.platform == "linux" and platform.machine() == "x86_64" and shutil.which("c++") is not None
             and "amx_bf16" in flags)
+
+
+def on_threads(counts: tuple[int, ...], compute) -> list:
+    """`compute()` with torch's intra-op threads set to each of `counts` in turn, its results in
+    that order; the process's own number of threads restored after, whatever happens."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in counts:
+            torch.set_num_threads(n)
+            results.append(compute())
+        return results
+    finally:
+        torch.set_num_threads(threads)

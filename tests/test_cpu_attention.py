@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import can_build_the_kernel, needs_cpp_compiler
+from helpers import can_build_the_kernel, needs_cpp_compiler, on_threads
 
 from overbrainer.trainers.builtin import cpu_attention, cpu_kernels
 from overbrainer.trainers.builtin.cpu_attention import causal_attention
@@ -144,15 +144,12 @@ def test_the_kernels_give_the_same_bits_on_any_number_of_threads(batch, kv_heads
         pytest.skip("the CPU kernels do not run here")
     q, k, v, g = (t.bfloat16() for t in inputs(batch, 3 * kv_heads, kv_heads, 300))
     scale = 0.125
-    threads = torch.get_num_threads()
-    runs = []
-    try:
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            out, lse = cpu_attention.kernel_forward(64)(q, k, v, scale)
-            runs.append((out, lse, *op(q, k, v, out.transpose(1, 2), lse, g, scale)))
-    finally:
-        torch.set_num_threads(threads)
+
+    def both():
+        out, lse = cpu_attention.kernel_forward(64)(q, k, v, scale)
+        return out, lse, *op(q, k, v, out.transpose(1, 2), lse, g, scale)
+
+    runs = on_threads((1, 2, 3), both)
     assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import can_build_the_kernel
+from helpers import can_build_the_kernel, on_threads
 from peft import LoraConfig, get_peft_model
 
 from overbrainer.trainers.builtin import cpu_kernels, cpu_token_loss
@@ -77,17 +77,14 @@ def test_the_same_inputs_give_the_same_bits_on_any_number_of_threads(kernels):
     same call gives the same loss and gradient to the bit on 1, 2 and 3 threads (what a resumed
     run, and the ranks of a run whose processes have different numbers of threads, rely on)."""
     states, weight, targets = case(3000, 64, 300)
-    runs = []
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2, 3, 2):
-            torch.set_num_threads(n)
-            x = states.clone().requires_grad_()
-            loss = cpu_token_loss.token_loss(x, weight, targets, 1.0)
-            loss.backward()
-            runs.append((loss.detach(), x.grad))
-    finally:
-        torch.set_num_threads(threads)
+
+    def loss_and_grad():
+        x = states.clone().requires_grad_()
+        loss = cpu_token_loss.token_loss(x, weight, targets, 1.0)
+        loss.backward()
+        return loss.detach(), x.grad
+
+    runs = on_threads((1, 2, 3, 2), loss_and_grad)
     assert all(torch.equal(runs[0][0], loss) and torch.equal(runs[0][1], grad) for loss, grad in runs[1:])
 
 
