@@ -108,6 +108,66 @@ def test_gradient_checkpointing_gives_the_same_losses(references):
         assert (b.get("eval_loss") is None) == (a.get("eval_loss") is None)
 
 
+def test_padding_to_a_multiple_changes_no_loss(references):
+    """train.pad_to_multiple_of pads each micro-batch further (pads come after every real
+    token, under a causal mask): the same tokens, the same losses within float32's rounding,
+    and the multiple in each checkpoint's sidecar ("auto" is 1 in float32 on the CPU)."""
+    plain = references.folder(lora_dropout=0.0, bf16=False)
+    padded = references.folder(lora_dropout=0.0, bf16=False, pad_to_multiple_of=16)
+    for a, b in zip(metric_lines(plain), metric_lines(padded), strict=True):
+        assert a["tokens"] == b["tokens"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
+        assert (b.get("eval_loss") is None) == (a.get("eval_loss") is None)
+        if a.get("eval_loss") is not None:
+            assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5, abs=1e-6)
+    assert any(m.get("eval_loss") is not None for m in metric_lines(padded))
+    assert meta(plain)["pad_to_multiple_of"] == 1 and meta(padded)["pad_to_multiple_of"] == 16
+
+
+def test_a_micro_batch_is_padded_to_the_multiple_within_sequence_len():
+    """collate: the longest row's length rounded up to the multiple, but not past
+    sequence_len when the longest is within it; pads carry no label and no mask."""
+    import torch
+
+    from overbrainer.trainers.builtin import device as hw
+    from overbrainer.trainers.examples import IGNORE, collate
+
+    def rows(*lengths):
+        return [SimpleNamespace(ids=[7] * n, labels=[3] * n) for n in lengths]
+
+    def width(lengths, multiple, limit=512):
+        return collate(rows(*lengths), 0, multiple, limit)["input_ids"].shape[1]
+
+    assert width((13, 5), 1) == 13 and width((13, 5), 8) == 16 and width((16, 2), 8) == 16
+    assert width((509,), 8, limit=510) == 510 and width((505,), 8, limit=510) == 510
+    assert width((501,), 8, limit=510) == 504 and width((13,), 64) == 64
+    batch = collate(rows(13, 5), 0, 8, 512)
+    assert batch["attention_mask"].sum().item() == 18
+    assert (batch["labels"][0, 13:] == IGNORE).all() and (batch["input_ids"][1, 5:] == 0).all()
+    # "auto": 8 where bf16 matmuls run on the CPU (oneDNN prepares each new shape), else 1
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert hw.pad_multiple({}, cpu, bf16=True) == 8
+    assert hw.pad_multiple({"pad_to_multiple_of": "auto"}, cpu, bf16=False) == 1
+    assert hw.pad_multiple({}, gpu, bf16=True) == 1
+    assert hw.pad_multiple({"pad_to_multiple_of": 4}, gpu, bf16=True) == 4
+
+
+def test_pad_to_multiple_of_is_the_built_in_trainers(project):
+    """Axolotl pads to a multiple of 64 itself: a multiple in a plan for it is refused in
+    one line, before anything is written; "auto" puts no key in config.yaml."""
+    from overbrainer.steps.config import build_config
+
+    steps = {"max_steps": 8, "warmup": 1, "stable": 5, "decay": 2}
+    assert "pad_to_multiple_of" not in build_config(TrainSettings(), "../base", steps, {})
+    assert build_config(TrainSettings(pad_to_multiple_of=8), "../base", steps, {})["pad_to_multiple_of"] == 8
+    project.write(trainer="axolotl", pad_to_multiple_of=8)
+    out = cli("bake", str(project.plan_path), check=None)
+    assert out.returncode == 2, out
+    line = out.stderr.strip().splitlines()[-1]
+    assert "train.pad_to_multiple_of is the built-in trainer's" in line and "set train.trainer to builtin" in line
+    assert "Traceback" not in out.stderr
+
+
 def test_the_dropped_attention_mask_is_exact_where_loss_is_taken(tiny_model):
     """The built-in trainer gives the model no attention mask (sdpa's flash kernel takes
     none): with right padding under a causal mask a real token never sees a pad, so the
@@ -571,6 +631,8 @@ def test_compile_auto_compiles_a_long_bf16_lora_trained_on_the_cpu(project):
     """A bake of 100 steps in bf16 on the CPU with compile left at "auto": the trainer says
     its layers are compiled and the checkpoint records it; a greedy sample is taken from
     the layers as they are (eager), and the run ends as any other."""
+    from overbrainer.trainers.builtin import device as hw
+
     needs_cpp_compiler()
     project.write(steps=100, bf16=True, save_every=100, eval_every=100, micro_batch_size=1,
                   gradient_accumulation_steps=1, samples={"every": 100, "prompts": ["Hi"], "max_new_tokens": 4})
@@ -579,4 +641,5 @@ def test_compile_auto_compiles_a_long_bf16_lora_trained_on_the_cpu(project):
     assert "its decoder layers compiled" in (folder / "log.txt").read_text()
     last = json.loads((folder / "checkpoints" / "step-000100" / "meta.json").read_text())
     assert last["compile"] is True and last["bf16"] is True
+    assert last["pad_to_multiple_of"] == hw.CPU_BF16_PAD_MULTIPLE  # "auto" where bf16 runs on the CPU
     assert (folder / "samples.jsonl").read_text().count('"step": 100') == 1

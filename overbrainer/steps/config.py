@@ -201,6 +201,9 @@ def build_config(train: TrainSettings, base_folder: str, steps: dict, tokens: di
         "liger": False if train.liger is False and train.trainer == "builtin" else None,
         # the built-in trainer's own: FSDP2 (train.shard; refused with Axolotl)
         "shard": train.shard or None,
+        # the built-in trainer's own: a micro-batch's length rounded up to a multiple of it
+        # (absent: "auto", which the trainer decides on the machine it runs on)
+        "pad_to_multiple_of": train.pad_to_multiple_of if train.pad_to_multiple_of != "auto" else None,
         # the built-in trainer's own: torch.profiler over train.profile's steps (profile/)
         "profile": train.profile.model_dump() if train.profile else None,
     }

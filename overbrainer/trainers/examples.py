@@ -185,8 +185,14 @@ def micro_batches(examples: list[Example], size: int) -> list[list[Example]]:
     return [ordered[i : i + size] for i in range(0, len(ordered), size)]
 
 
-def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
-    width = max(len(e.ids) for e in batch)
+def collate(batch: list[Example], pad_id: int, multiple: int = 1, limit: int | None = None) -> dict[str, torch.Tensor]:
+    """A micro-batch as tensors, right-padded to its longest conversation's length rounded up
+    to a multiple of `multiple` (train.pad_to_multiple_of), but not past `limit`
+    (sequence_len) when the longest is within it."""
+    longest = max(len(e.ids) for e in batch)
+    width = -(-longest // multiple) * multiple
+    if limit is not None and longest <= limit:
+        width = min(width, limit)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)

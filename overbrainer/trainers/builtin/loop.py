@@ -86,6 +86,7 @@ class Training:
     val_set: list[Example]
     order: Order
     pad_id: int
+    pad_multiple: int  # a micro-batch's length is rounded up to a multiple of it (train.pad_to_multiple_of)
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     scheduler: object
@@ -99,6 +100,10 @@ class Training:
     @property
     def checkpoints(self) -> Path:
         return self.run_dir / self.cfg["output_dir"]
+
+    def batch(self, micro: list[Example]) -> dict[str, torch.Tensor]:
+        """A micro-batch's tensors on the training device."""
+        return hw.to_device(collate(micro, self.pad_id, self.pad_multiple, self.cfg["sequence_len"]), self.device)
 
     def say(self, message: str) -> None:
         if self.world.main:
@@ -197,7 +202,8 @@ def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = 
     t = Training(
         cfg=cfg, run_dir=run_dir, world=world, device=device, bf16=bf16, model=model, decoder=decoder, loss=loss,
         train_set=train_set, val_set=val_set, order=Order(len(train_set), mbs * gas, cfg["seed"], lengths),
-        pad_id=pad_id, params=params, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
+        pad_id=pad_id, pad_multiple=hw.pad_multiple(cfg, device, bf16), params=params, optimizer=optimizer,
+        scheduler=scheduler, tokenizer=tokenizer,
     )
     if found:
         with at_start(f"loading {found[1].name}'s optimizer state onto {device}"):
@@ -300,7 +306,7 @@ def train_step(t: Training, batch: list[Example]) -> tuple[float, int]:
     step_loss = torch.zeros((), dtype=hw.sum_dtype(t.device), device=t.device)
     step_tokens = 0
     for i, micro in enumerate(mine):
-        inputs = hw.to_device(collate(micro, t.pad_id), t.device)
+        inputs = t.batch(micro)
         with t.world.accumulating(t.decoder, last=i == len(mine) - 1):
             with hw.compute(t.bf16, t.device):
                 loss = t.loss(t.decoder, inputs) / loss_tokens
@@ -321,13 +327,13 @@ def evaluate(t: Training) -> float | None:
     count = 0
     mine, counted = t.world.even(micro_batches(t.val_set, t.cfg["micro_batch_size"]))
     for micro in mine[:counted]:
-        inputs = hw.to_device(collate(micro, t.pad_id), t.device)
+        inputs = t.batch(micro)
         with hw.compute(t.bf16, t.device):
             total += t.loss(decoder, inputs)
         count += sum(e.loss_tokens for e in micro)
     for micro in mine[counted:]:  # sharded, a rank short of a micro-batch still joins the gathers
         with hw.compute(t.bf16, t.device):
-            t.loss(decoder, hw.to_device(collate(micro, t.pad_id), t.device))
+            t.loss(decoder, t.batch(micro))
     t.model.train()
     return t.world.sum(total.item()) / max(t.world.sum(count), 1)
 
@@ -421,6 +427,7 @@ def save(t: Training, k: int) -> None:
         "bf16": t.bf16,
         "liger": bool(cfg.get("liger_fused_linear_cross_entropy")),
         "compile": bool(cfg.get("torch_compile")),
+        "pad_to_multiple_of": t.pad_multiple,
         "peak_memory": hw.peak_memory(t.device),
     }
     try:
