@@ -2,7 +2,7 @@
 
     bench/.venv/bin/python bench/train.py --model tiny|smollm2 [--steps 30] [--skip 5]
         [--chats 400] [--batch 4] [--seq 512] [--lora-r 8] [--threads 2]
-        [--only builtin,trl,trl-padfree,trl-packed] [--rounds 3] [--profile]
+        [--only builtin,trl,trl-pad8,trl-padfree,trl-packed] [--rounds 3] [--profile]
 
 The same run folder feeds every contender: ``examples.parquet`` written by
 ``overbrainer.data.split_conversations`` (no validation rows) and ``config.yaml`` by
@@ -20,6 +20,9 @@ process, with ``--threads`` torch threads (OMP_NUM_THREADS too):
   schedule, clipping, fp32, no gradient checkpointing (TRL's default is on: off is its
   faster setting), no eval, no saving. Its per-step loss is what its ``compute_loss``
   returns (summed over micro-batches): compared step by step with the built-in's.
+- ``trl-pad8``: as ``trl``, each batch padded to a multiple of 8 (``SFTConfig``'s
+  ``pad_to_multiple_of=8``): on a CPU in bf16, oneDNN's matmuls for each new length are
+  prepared once and then reused, as the built-in's ``train.pad_to_multiple_of`` "auto" does.
 - ``trl-padfree``: the same batches, ``padding_free=True`` (each batch flattened into one
   sequence with position ids; ``max_length=None``, the inputs being cut already).
 - ``trl-packed``: ``packing=True`` (best-fit decreasing into ``--seq``-token rows,
@@ -267,6 +270,7 @@ def worker_trl(run: Path, mode: str, threads: int, packed_batch: int) -> dict:
         logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
         dataloader_num_workers=0, train_sampling_strategy="sequential",
         max_length=None if mode == "trl-padfree" else cfg["sequence_len"],
+        pad_to_multiple_of=8 if mode == "trl-pad8" else None,
         padding_free=mode == "trl-padfree", packing=packed, packing_strategy="bfd",
     )
 
@@ -439,7 +443,8 @@ def main() -> None:
     ap.add_argument("--no-group-by-length", action="store_true",
                     help="each step's conversations drawn at random (train.group_by_length false)")
     ap.add_argument("--packed-batch", type=int, default=2)
-    ap.add_argument("--only", default="builtin,trl,trl-padfree,trl-packed")
+    ap.add_argument("--only", default="builtin,trl,trl-padfree,trl-packed",
+                    help="contenders, of builtin, trl, trl-pad8, trl-padfree, trl-packed")
     ap.add_argument("--peer-malloc", action="store_true",
                     help="TRL's process gets the built-in trainer's allocator settings too (glibc keeps freed memory)")
     ap.add_argument("--rounds", type=int, default=1,
@@ -479,7 +484,7 @@ def main() -> None:
     for round_ in range(1, args.rounds + 1):
         if args.rounds > 1:
             print(f"round {round_} of {args.rounds}", flush=True)
-        for name in ("builtin", "trl", "trl-padfree", "trl-packed"):
+        for name in ("builtin", "trl", "trl-pad8", "trl-padfree", "trl-packed"):
             if name in wanted:
                 runs.setdefault(name, []).append(run_contender(name, run, args, useful, loss_tok))
     # each contender's median run (by useful tok/s) stands for it in the table
@@ -500,7 +505,7 @@ def main() -> None:
                "useful tok/step": s["useful_per_step"], "peak RSS MB": r["maxrss_mb"], "process s": r["wall_s"]}
         if base:
             row["builtin speed-up"] = base["useful_tps"] / s["useful_tps"]
-        if name in ("trl", "trl-padfree") and "builtin" in results:
+        if name in ("trl", "trl-pad8", "trl-padfree") and "builtin" in results:
             diffs = [abs(a - b) for a, b in zip(results["builtin"]["losses"], r["losses"])]
             row["max |Δloss|"] = f"{max(diffs):.2e}"
             row["Δloss step 1"] = f"{diffs[0]:.2e}"
@@ -529,7 +534,7 @@ def main() -> None:
         if cpu_best and base["useful_per_cpu_s"]:
             print(f"the same per CPU-second (less sensitive to other processes on the machine): "
                   f"{base['useful_per_cpu_s'] / cpu_best:.2f}x")
-        for name in ("trl", "trl-padfree"):
+        for name in ("trl", "trl-pad8", "trl-padfree"):
             if name in results and "losses" in results[name]:
                 b, t = results["builtin"]["losses"], results[name]["losses"]
                 print(f"loss per step, builtin vs {name} (first 5): "

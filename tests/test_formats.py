@@ -212,7 +212,8 @@ def check_gguf_metadata(path: Path, qtype: str, merged: Path) -> None:
 
 
 def check_gguf_answers_like_merged(baked: Path, merged: Path, qtype: str) -> float:
-    """Logits within TOLERANCE of merged/'s, the same tokens and the same greedy answers."""
+    """Logits within TOLERANCE of merged/'s, the same tokens and the same greedy answers (but
+    at a near-tie, which the format's rounding may flip)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -231,9 +232,21 @@ def check_gguf_answers_like_merged(baked: Path, merged: Path, qtype: str) -> flo
         with torch.no_grad():
             diff = (model(**ids).logits - reference(**ids).logits).abs().max().item()
         worst = max(worst, diff)
-        answer = model.generate(**ids, max_new_tokens=8, do_sample=False)
         expected = reference.generate(**ids, max_new_tokens=8, do_sample=False)
-        assert torch.equal(answer, expected), (qtype, prompt)
+        # along merged/'s greedy answer, the GGUF picks the same token at every step, except
+        # where merged/'s two best logits are within twice the tolerance of each other: a
+        # near-tie that the format's rounding (each logit off by up to the tolerance) may flip
+        # (a tiny random model has such ties)
+        start = ids["input_ids"].shape[1]
+        with torch.no_grad():
+            ours = model(expected).logits[0, start - 1:-1]
+            theirs = reference(expected).logits[0, start - 1:-1]
+        worst = max(worst, (ours - theirs).abs().max().item())
+        best_two = theirs.topk(2).values
+        near_tie = best_two[:, 0] - best_two[:, 1] <= 2 * TOLERANCE[qtype]
+        same = ours.argmax(-1) == expected[0, start:]
+        assert bool((same | near_tie).all()), (qtype, prompt, same.tolist(), near_tie.tolist())
+        assert int(same.sum()) >= len(same) - 1, (qtype, prompt, same.tolist())  # a tie at most
     assert 0 < worst <= TOLERANCE[qtype], (qtype, worst)  # > 0: the GGUF was read, not merged/
     return worst
 
