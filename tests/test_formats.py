@@ -229,19 +229,17 @@ def check_gguf_answers_like_merged(baked: Path, merged: Path, qtype: str) -> flo
         ids = tokenizer(text, return_tensors="pt")
         # the GGUF's vocabulary, merges and special tokens cut the text the same way
         assert torch.equal(ids["input_ids"], gguf_tokenizer(text, return_tensors="pt")["input_ids"]), prompt
-        with torch.no_grad():
-            diff = (model(**ids).logits - reference(**ids).logits).abs().max().item()
-        worst = max(worst, diff)
         expected = reference.generate(**ids, max_new_tokens=8, do_sample=False)
-        # along merged/'s greedy answer, the GGUF picks the same token at every step, except
-        # where merged/'s two best logits are within twice the tolerance of each other: a
-        # near-tie that the format's rounding (each logit off by up to the tolerance) may flip
-        # (a tiny random model has such ties)
-        start = ids["input_ids"].shape[1]
+        # the logits over the prompt and merged/'s greedy answer to it, from both models
         with torch.no_grad():
-            ours = model(expected).logits[0, start - 1:-1]
-            theirs = reference(expected).logits[0, start - 1:-1]
-        worst = max(worst, (ours - theirs).abs().max().item())
+            ours_all, theirs_all = model(expected).logits[0], reference(expected).logits[0]
+        worst = max(worst, (ours_all - theirs_all).abs().max().item())
+        # along that answer, the GGUF picks the same token at every step, except where
+        # merged/'s two best logits are within twice the tolerance of each other: a near-tie
+        # that the format's rounding (each logit off by up to the tolerance) may flip (a tiny
+        # random model has such ties)
+        start = ids["input_ids"].shape[1]
+        ours, theirs = ours_all[start - 1:-1], theirs_all[start - 1:-1]
         best_two = theirs.topk(2).values
         near_tie = best_two[:, 0] - best_two[:, 1] <= 2 * TOLERANCE[qtype]
         same = ours.argmax(-1) == expected[0, start:]
