@@ -307,6 +307,10 @@ def worker_trl(run: Path, mode: str, threads: int, packed_batch: int) -> dict:
     }
 
 
+# TRL's contenders on the built-in's own batches: their losses are compared step by step
+SAME_BATCHES = ("trl", "trl-pad8", "trl-padfree")
+
+
 # the built-in trainer's allocator settings on the CPU (device.keep_freed_memory), given to
 # TRL's process too with --peer-malloc: glibc reads them from the environment
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
@@ -505,7 +509,7 @@ def main() -> None:
                "useful tok/step": s["useful_per_step"], "peak RSS MB": r["maxrss_mb"], "process s": r["wall_s"]}
         if base:
             row["builtin speed-up"] = base["useful_tps"] / s["useful_tps"]
-        if name in ("trl", "trl-pad8", "trl-padfree") and "builtin" in results:
+        if name in SAME_BATCHES and "builtin" in results:
             diffs = [abs(a - b) for a, b in zip(results["builtin"]["losses"], r["losses"])]
             row["max |Δloss|"] = f"{max(diffs):.2e}"
             row["Δloss step 1"] = f"{diffs[0]:.2e}"
@@ -534,7 +538,7 @@ def main() -> None:
         if cpu_best and base["useful_per_cpu_s"]:
             print(f"the same per CPU-second (less sensitive to other processes on the machine): "
                   f"{base['useful_per_cpu_s'] / cpu_best:.2f}x")
-        for name in ("trl", "trl-pad8", "trl-padfree"):
+        for name in SAME_BATCHES:
             if name in results and "losses" in results[name]:
                 b, t = results["builtin"]["losses"], results[name]["losses"]
                 print(f"loss per step, builtin vs {name} (first 5): "
