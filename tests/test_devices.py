@@ -205,6 +205,37 @@ def test_the_dropped_attention_mask_is_exact_where_loss_is_taken(tiny_model):
     assert not torch.allclose(loss_and_grads(left, True)[0], loss_and_grads(left, False)[0], rtol=1e-5)
 
 
+def test_the_model_is_readied_for_where_it_computes(tiny_model, monkeypatch):
+    """`load_model` readies the model for the device it will train on, which under
+    train.shard is not where it is loaded (host memory, FSDP2 moving each rank's slices to
+    the GPU): the CPU's attention only for a model that computes on the CPU. And config.yaml's
+    `torch_compile: auto` compiles nothing there: the trainer settles it for the device first
+    (a probe loading a GPU run's config.yaml compiled every layer)."""
+    import torch
+
+    from overbrainer.trainers.builtin import cpu_attention
+    from overbrainer.trainers.builtin.model import decoder_layers, load_model, transformers_model
+
+    monkeypatch.setenv("OVERBRAINER_CPU_KERNEL", "0")  # the attention's switch alone, no kernel build
+    cfg = {"base_model": str(tiny_model), "adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+           "lora_target_modules": ["q_proj", "v_proj"]}
+    cpu = torch.device("cpu")
+
+    def attention(model):
+        return transformers_model(model).config._attn_implementation
+
+    assert attention(load_model(cfg, cpu, bf16=True)[0]) == cpu_attention.NAME
+    assert attention(load_model(cfg, cpu, bf16=True, computes_on=torch.device("cuda", 0))[0]) == "sdpa"
+    assert attention(load_model(cfg, cpu, bf16=False)[0]) == "sdpa"
+
+    def compiled(setting) -> list[bool]:
+        model, _ = load_model({**cfg, "torch_compile": setting}, cpu, bf16=False)
+        return [getattr(layer, "_compiled_call_impl", None) is not None for layer in decoder_layers(model)]
+
+    assert not any(compiled("auto")) and not any(compiled(False))
+    assert all(compiled(True)) and compiled(True)
+
+
 @pytest.mark.parametrize("train, says", [
     pytest.param({"device": "cuda"}, 'train.device: "cuda", but torch sees no CUDA GPU here', id="cuda"),
     pytest.param({"liger": True}, "train.liger: Liger Kernel runs on a CUDA GPU only", id="liger"),

@@ -145,7 +145,7 @@ def setup(cfg: dict, run_dir: Path, device: str = "auto", deterministic: bool = 
     # slice of each layer to the device: the whole model is never on one GPU
     load_on = torch.device("cpu") if world.shard else device
     with at_start(f"loading the model onto {load_on}"):
-        model, tokenizer = load_model(cfg, load_on, bf16, sharded=world.shard)
+        model, tokenizer = load_model(cfg, load_on, bf16, sharded=world.shard, computes_on=device)
         if found:
             load_weights(model, found[1], cfg)  # into the whole model, before it is sharded
     if world.size > 1:

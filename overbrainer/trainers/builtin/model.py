@@ -19,10 +19,15 @@ from ..examples import IGNORE, tokenizer_settings
 from . import cpu_token_loss
 
 
-def load_model(cfg: dict, device: torch.device, bf16: bool, sharded: bool = False):
+def load_model(cfg: dict, device: torch.device, bf16: bool, sharded: bool = False,
+               computes_on: torch.device | None = None):
     """(model, tokenizer): the model on `device`, its trained parameters in float32.
     `sharded` (FSDP2's to place): every weight in float32, as FSDP2 wants a layer's
-    weights in one dtype; its mixed-precision policy gathers them in bf16."""
+    weights in one dtype; its mixed-precision policy gathers them in bf16. `computes_on`:
+    where it will train, when that is not where it is loaded (sharded, it is loaded in host
+    memory and FSDP2 moves each rank's slices to the GPU): the CPU's attention is for a
+    model that computes on the CPU. Decoder layers are compiled where `torch_compile` is
+    true, not "auto": that is the trainer's to settle for the device first."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
@@ -52,7 +57,7 @@ def load_model(cfg: dict, device: torch.device, bf16: bool, sharded: bool = Fals
         base, dtype=dtype, attn_implementation="sdpa", trust_remote_code=bool(cfg.get("trust_remote_code")),
         **extra
     )
-    if device.type == "cpu" and bf16:
+    if (computes_on or device).type == "cpu" and bf16:
         from . import cpu_attention
 
         if cpu_attention.use(model):  # sdpa's forward, a faster bf16 backward for the CPU
@@ -85,11 +90,11 @@ def load_model(cfg: dict, device: torch.device, bf16: bool, sharded: bool = Fals
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
-    if cfg.get("torch_compile"):
+    if cfg.get("torch_compile") is True:
         # on the CPU the compiled code calls its kernels from C++, not from a Python wrapper:
         # 1.6-7.8 % faster (median 4.5 %, 5 paired runs) on a bf16 LoRA step of SmolLM2-135M
         # on 2 cores (bench/README section 4)
-        options = {"cpp_wrapper": True} if device.type == "cpu" else None
+        options = {"cpp_wrapper": True} if (computes_on or device).type == "cpu" else None
         # each decoder layer in place (its state_dict keys unchanged: checkpoints load as
         # ever); lengths vary from step to step, so shapes are dynamic from the start
         for layer in decoder_layers(model):
