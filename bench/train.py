@@ -307,6 +307,8 @@ def worker_trl(run: Path, mode: str, threads: int, packed_batch: int) -> dict:
     }
 
 
+# every contender, in the order a round runs them
+CONTENDERS = ("builtin", "trl", "trl-pad8", "trl-padfree", "trl-packed")
 # TRL's contenders on the built-in's own batches: their losses are compared step by step
 SAME_BATCHES = ("trl", "trl-pad8", "trl-padfree")
 
@@ -448,7 +450,7 @@ def main() -> None:
                     help="each step's conversations drawn at random (train.group_by_length false)")
     ap.add_argument("--packed-batch", type=int, default=2)
     ap.add_argument("--only", default="builtin,trl,trl-padfree,trl-packed",
-                    help="contenders, of builtin, trl, trl-pad8, trl-padfree, trl-packed")
+                    help="contenders, of " + ", ".join(CONTENDERS))
     ap.add_argument("--peer-malloc", action="store_true",
                     help="TRL's process gets the built-in trainer's allocator settings too (glibc keeps freed memory)")
     ap.add_argument("--rounds", type=int, default=1,
@@ -488,7 +490,7 @@ def main() -> None:
     for round_ in range(1, args.rounds + 1):
         if args.rounds > 1:
             print(f"round {round_} of {args.rounds}", flush=True)
-        for name in ("builtin", "trl", "trl-pad8", "trl-padfree", "trl-packed"):
+        for name in CONTENDERS:
             if name in wanted:
                 runs.setdefault(name, []).append(run_contender(name, run, args, useful, loss_tok))
     # each contender's median run (by useful tok/s) stands for it in the table

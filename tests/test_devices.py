@@ -233,7 +233,8 @@ def test_the_model_is_readied_for_where_it_computes(tiny_model, monkeypatch):
         return [getattr(layer, "_compiled_call_impl", None) is not None for layer in decoder_layers(model)]
 
     assert not any(compiled("auto")) and not any(compiled(False))
-    assert all(compiled(True)) and compiled(True)
+    on = compiled(True)
+    assert on and all(on)
 
 
 @pytest.mark.parametrize("train, says", [

@@ -176,8 +176,9 @@ def pad_multiple(cfg: dict, device: torch.device, bf16: bool) -> int:
     in config.yaml): 8 where bf16 matmuls run on the CPU, 1 elsewhere. There oneDNN prepares
     a matmul for each new number of rows, about 2-4 ms a shape (a float32 matmul has no such
     cost); with every length its own shape, a step of SmolLM2-135M spent ~37 ms of ~1.1 s
-    preparing the ~17 shapes it had not seen (ONEDNN_VERBOSE, bench/README section 4). In multiples of 8 the lengths come back and
-    the shapes stay prepared, for ~1.4 % more rows (3.5 pad tokens a conversation on ~240)."""
+    preparing the ~17 shapes it had not seen (ONEDNN_VERBOSE, bench/README section 4). In
+    multiples of 8 the lengths come back and the shapes stay prepared, for ~1.4 % more rows
+    (3.5 pad tokens a conversation on ~240)."""
     value = cfg.get("pad_to_multiple_of", "auto")
     if value != "auto":
         return int(value)

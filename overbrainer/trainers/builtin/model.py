@@ -31,6 +31,7 @@ def load_model(cfg: dict, device: torch.device, bf16: bool, sharded: bool = Fals
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
+    computes = computes_on or device
     base = cfg["base_model"]
     tokenizer = AutoTokenizer.from_pretrained(base)
     for key, value in tokenizer_settings(cfg).items():
@@ -57,7 +58,7 @@ def load_model(cfg: dict, device: torch.device, bf16: bool, sharded: bool = Fals
         base, dtype=dtype, attn_implementation="sdpa", trust_remote_code=bool(cfg.get("trust_remote_code")),
         **extra
     )
-    if (computes_on or device).type == "cpu" and bf16:
+    if computes.type == "cpu" and bf16:
         from . import cpu_attention
 
         if cpu_attention.use(model):  # sdpa's forward, a faster bf16 backward for the CPU
@@ -94,7 +95,7 @@ def load_model(cfg: dict, device: torch.device, bf16: bool, sharded: bool = Fals
         # on the CPU the compiled code calls its kernels from C++, not from a Python wrapper:
         # 1.6-7.8 % faster (median 4.5 %, 5 paired runs) on a bf16 LoRA step of SmolLM2-135M
         # on 2 cores (bench/README section 4)
-        options = {"cpp_wrapper": True} if (computes_on or device).type == "cpu" else None
+        options = {"cpp_wrapper": True} if computes.type == "cpu" else None
         # each decoder layer in place (its state_dict keys unchanged: checkpoints load as
         # ever); lengths vary from step to step, so shapes are dynamic from the start
         for layer in decoder_layers(model):
