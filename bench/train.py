@@ -313,15 +313,28 @@ CONTENDERS = ("builtin", "trl", "trl-pad8", "trl-padfree", "trl-packed")
 SAME_BATCHES = ("trl", "trl-pad8", "trl-padfree")
 
 
-# the built-in trainer's allocator settings on the CPU (device.keep_freed_memory), given to
-# TRL's process too with --peer-malloc: glibc reads them from the environment
+# the built-in trainer's allocator settings on the CPU where tcmalloc is not installed
+# (device.keep_freed_memory), given to TRL's process too with --peer-malloc: glibc reads them
+# from the environment
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+
+
+def builtin_allocator() -> tuple[str, dict]:
+    """(its name, its environment): the allocator the built-in trainer's process runs with
+    here, tcmalloc preloaded where it is installed (trainers/builtin/allocator.py), else
+    glibc keeping freed memory; --peer-malloc gives TRL's process the same."""
+    from overbrainer.trainers.builtin import allocator
+
+    library = allocator.tcmalloc()
+    if library and not allocator.chosen_by_the_user():
+        return "tcmalloc", {**allocator.QUIET, "LD_PRELOAD": library}
+    return "glibc keeping freed memory", KEEP_FREED_MEMORY
 
 
 def run_trl(run: Path, mode: str, threads: int, packed_batch: int, malloc: bool = False) -> dict:
     out = run / f"{mode}.json"
     out.unlink(missing_ok=True)
-    env = dict(thread_env(threads), **(KEEP_FREED_MEMORY if malloc else {}))
+    env = dict(thread_env(threads), **(builtin_allocator()[1] if malloc else {}))
     m = measure([PY, __file__, "--worker", mode, "--run", str(run), "--threads", str(threads),
                  "--packed-batch", str(packed_batch), "--result", str(out)], cwd=run, env=env).check()
     result = json.loads(out.read_text())
@@ -480,7 +493,8 @@ def main() -> None:
           f"(median {lengths[len(lengths) // 2]}), {args.steps} steps of {args.batch}x{args.gas}, seq {args.seq}, "
           f"LoRA r={args.lora_r} on {','.join(cfg['lora_target_modules'])}, {'bf16' if args.bf16 else 'fp32'}{', compiled' if args.compile else ''}, "
           f"{'grouped by length' if cfg.get('group_by_length') else 'random batches'}, {args.threads} threads, "
-          f"TRL {'with' if args.peer_malloc else 'without'} the built-in trainer's allocator settings; "
+          f"the built-in trainer's allocator {builtin_allocator()[0]}, TRL's "
+          f"{'the same' if args.peer_malloc else 'glibc with its defaults'}; "
           f"steady state: steps {args.skip + 1}-{args.steps}", flush=True)
     print(f"# per step: {sum(useful) / len(useful):.0f} non-pad tokens, {sum(loss_tok) / len(loss_tok):.0f} loss tokens, "
           f"{sum(padded) / len(padded):.0f} padded positions", flush=True)

@@ -92,11 +92,58 @@ def glibc_here() -> bool:
 @pytest.mark.skipif("cuda_here() or not glibc_here()", reason="the CPU's allocator settings")
 def test_the_allocator_settings_change_no_bit(project, references):
     """The same bake with glibc's defaults (a MALLOC_ variable set: the trainer leaves the
-    allocator alone): the same adapter, bit for bit."""
+    allocator alone) as with the trainer's own choice (tcmalloc where it is installed, else
+    glibc keeping freed memory): the same adapter, bit for bit; the log names tcmalloc."""
+    from overbrainer.trainers.builtin import allocator
+
     reference = references.folder()
+    said = "host memory from tcmalloc" in (reference / "log.txt").read_text()
+    assert said == (allocator.tcmalloc() is not None)
     report = bake_json(str(project.plan_path), env={"MALLOC_ARENA_MAX": "8"})
+    assert "tcmalloc" not in (Path(report["folder"]) / "log.txt").read_text()
     final = "checkpoints/step-000008/adapter_model.safetensors"
     assert (Path(report["folder"]) / final).read_bytes() == (reference / final).read_bytes()
+
+
+RESTARTED = """
+import os, sys
+from overbrainer.trainers.builtin import allocator
+print("pid", os.getpid(), file=sys.stderr, flush=True)  # before the restart, and again after it
+allocator.restart_with_tcmalloc(sys.argv[1])
+print(os.getpid(), allocator.in_use(), "libtcmalloc" in open("/proc/self/maps").read())
+"""
+
+
+@pytest.mark.skipif("not glibc_here()", reason="glibc's Linux only")
+def test_the_trainer_starts_itself_again_with_tcmalloc_on_the_cpu():
+    """Where tcmalloc is installed, the trainer's process on the CPU starts itself again with
+    it preloaded, as the same process (the supervisor and torchrun watch its id), before torch
+    loads; not on a GPU, nor where the user chose (an LD_PRELOAD, glibc's MALLOC_ variables,
+    OVERBRAINER_MALLOC=glibc)."""
+    import os
+
+    from overbrainer.trainers.builtin import allocator
+
+    if allocator.tcmalloc() is None:
+        pytest.skip("tcmalloc is not installed here (Debian's libtcmalloc-minimal4; .ci/run installs it)")
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD", allocator.ENV)}
+
+    def run(device, **env):
+        out = subprocess.run([sys.executable, "-c", RESTARTED, device], capture_output=True, text=True,
+                             env={**clean, **env}, check=True)
+        starts = [line.split()[1] for line in out.stderr.splitlines() if line.startswith("pid ")]
+        return out.stdout.split(), starts
+
+    (pid, used, mapped), starts = run("cpu")
+    assert (used, mapped) == ("tcmalloc", "True")
+    assert starts == [pid, pid]  # one process, started twice
+    assert run("auto")[0][1] == ("None" if Path("/dev/nvidiactl").exists() else "tcmalloc")
+    for device, env in (("cuda", {}), ("cpu", {"OVERBRAINER_MALLOC": "glibc"}), ("cpu", {"MALLOC_ARENA_MAX": "8"}),
+                        ("cpu", {"LD_PRELOAD": allocator.tcmalloc()})):
+        (_, used, mapped), starts = run(device, **env)
+        assert used == "None" and len(starts) == 1, (device, env)
+        assert mapped == str("LD_PRELOAD" in env), (device, env)
 
 
 def test_gradient_checkpointing_gives_the_same_losses(references):

@@ -242,7 +242,8 @@ def keep_freed_memory() -> bool:
     glibc gives every block over its mmap threshold (at most 32 MB) to the kernel when it is
     freed, so each step faults all of that memory in again, page by page, zeroed. Served
     from the heap and never trimmed, a step reuses the pages of the step before: what
-    PyTorch's CPU tuning guide gets from jemalloc or tcmalloc, with glibc's own knobs.
+    PyTorch's CPU tuning guide gets from jemalloc or tcmalloc, with glibc's own knobs, for
+    where tcmalloc is not installed (where it is, the process runs on it: `allocator`).
     The cost: the process keeps its peak memory (which the next step needs anyway).
 
     Linux with glibc only, and not where the user chose (glibc's MALLOC_* variables or

@@ -31,7 +31,7 @@ from .. import checkpoint as ckpt
 from ..dist import World
 from ..examples import Example, Order, collate, load_examples, micro_batches
 from ..samples import answer, is_sample_step, prompt_text
-from . import cpu_attention
+from . import allocator, cpu_attention
 from . import device as hw
 from .model import (
     Decoder,
@@ -543,6 +543,7 @@ def train(config_path: Path, device: str = "auto", deterministic: bool = False) 
         f"{cfg['gradient_accumulation_steps']} on {t.device}"
         + (", computing in bf16" if t.bf16 else "")
         + cpu_kernels_line(t)
+        + (f", host memory from {allocator.in_use()}" if t.device.type == "cpu" and allocator.in_use() else "")
         + (" with Liger's kernels" if cfg.get("liger_fused_linear_cross_entropy") else "")
         + (", its decoder layers compiled (the first step waits for the compiler)" if cfg.get("torch_compile") else "")
         + (f" shared by {world.size} processes" if world.size > 1 else "")
