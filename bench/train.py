@@ -325,9 +325,9 @@ def builtin_allocator() -> tuple[str, dict]:
     glibc keeping freed memory; --peer-malloc gives TRL's process the same."""
     from overbrainer.trainers.builtin import allocator
 
-    library = allocator.tcmalloc()
-    if library and not allocator.chosen_by_the_user():
-        return "tcmalloc", {**allocator.QUIET, "LD_PRELOAD": library}
+    library = allocator.to_preload("cpu")
+    if library:
+        return "tcmalloc", {**allocator.QUIET, "LD_PRELOAD": library, allocator.ENV: "tcmalloc"}
     return "glibc keeping freed memory", KEEP_FREED_MEMORY
 
 
@@ -375,7 +375,7 @@ def profile_builtin(run: Path, threads: int, steps: int, torch_profile: bool = T
     raw = run / "pyspy.txt"
     proc = subprocess.run([venv_bin("py-spy"), "record", "--format", "raw", "-r", "50", "-o", str(raw), "--",
                            PY, "-m", "overbrainer.trainers.builtin", str(run / "config.yaml")],
-                          cwd=run, env=thread_env(threads), capture_output=True, text=True)
+                          cwd=run, env=dict(thread_env(threads), **builtin_allocator()[1]), capture_output=True, text=True)
     if proc.returncode == 0 and raw.exists():
         out.append(summarize_pyspy(raw))
     else:
@@ -394,7 +394,8 @@ def profile_builtin(run: Path, threads: int, steps: int, torch_profile: bool = T
         f"    loop.train(Path({str(run / 'config.yaml')!r}))\n"
         "print(prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=22, max_name_column_width=50))\n"
     )
-    proc = subprocess.run([PY, "-c", code], cwd=run, env=thread_env(threads), capture_output=True, text=True)
+    proc = subprocess.run([PY, "-c", code], cwd=run, env=dict(thread_env(threads), **builtin_allocator()[1]),
+                          capture_output=True, text=True)
     out.append("torch.profiler, top operators by self CPU time (whole run, model load excluded):\n"
                + "\n".join(line for line in proc.stdout.splitlines() if not line.startswith(("step ", "training "))))
     return "\n\n".join(out)
@@ -465,7 +466,8 @@ def main() -> None:
     ap.add_argument("--only", default="builtin,trl,trl-padfree,trl-packed",
                     help="contenders, of " + ", ".join(CONTENDERS))
     ap.add_argument("--peer-malloc", action="store_true",
-                    help="TRL's process gets the built-in trainer's allocator settings too (glibc keeps freed memory)")
+                    help="TRL's process gets the built-in trainer's allocator too (tcmalloc where installed, else glibc keeping "
+                         "freed memory)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the contenders this many times, in turn (A B A B ...): the goal's ratio is then the "
                          "median of the rounds' ratios, each measured side by side")

@@ -36,19 +36,26 @@ def chosen_by_the_user(environ=os.environ) -> bool:
                 or any(k.startswith("MALLOC_") for k in environ) or "malloc" in environ.get("GLIBC_TUNABLES", ""))
 
 
-def computes_on_the_cpu(device: str) -> bool:
-    """The plan's train.device, read before torch is: "auto" is the CPU where no NVIDIA GPU
-    shows (its device files) and no Apple one can (not macOS)."""
+# a GPU torch may compute on: NVIDIA's driver, WSL2's GPU, ROCm's (torch.cuda there too)
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+
+
+def computes_on_the_cpu(device: str, environ=os.environ) -> bool:
+    """The plan's train.device, read before torch is: "auto" is the CPU on Linux where no GPU
+    shows (its device files), or where CUDA_VISIBLE_DEVICES hides them all. Where in doubt,
+    a GPU (the allocator is then left alone)."""
     if device == "cpu":
         return True
-    return device == "auto" and platform.system() == "Linux" and not Path("/dev/nvidiactl").exists()
+    if device != "auto" or platform.system() != "Linux":
+        return False
+    return environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1") or not any(map(os.path.exists, GPU_DEVICE_FILES))
 
 
 def tcmalloc() -> str | None:
-    """The path of an installed tcmalloc: this environment's lib/ (conda's gperftools), then
-    the system's library directories."""
-    folders = [Path(sys.prefix) / "lib", Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib/aarch64-linux-gnu"),
-               Path("/usr/lib64"), Path("/usr/lib"), Path("/usr/local/lib")]
+    """The path of an installed tcmalloc for this machine's architecture: this environment's
+    lib/ (conda's gperftools), then the system's library directories."""
+    folders = [Path(sys.prefix) / "lib", Path(f"/usr/lib/{platform.machine()}-linux-gnu"), Path("/usr/lib64"),
+               Path("/usr/lib"), Path("/usr/local/lib")]
     for folder in folders:
         for name in LIBRARIES:
             if (folder / name).is_file():
@@ -56,32 +63,46 @@ def tcmalloc() -> str | None:
     return None
 
 
-def restart_with_tcmalloc(device: str) -> None:
-    """Start this process again with tcmalloc preloaded, where it applies (above); returns
-    only where it does not."""
+def to_preload(device: str) -> str | None:
+    """The tcmalloc the trainer's process restarts with for this --device, here and now;
+    None where it does not (not Linux, not the CPU, the user's choice, none installed)."""
     if platform.system() != "Linux" or chosen_by_the_user() or not computes_on_the_cpu(device):
-        return
-    library = tcmalloc()
+        return None
+    return tcmalloc()
+
+
+def restart_with_tcmalloc(device: str) -> None:
+    """Start this process again with tcmalloc preloaded where `to_preload` says so; returns
+    where it does not, or where the restart cannot be made (the process goes on as it is)."""
+    library = to_preload(device)
     if library is None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
     environ = {**os.environ, **QUIET, "LD_PRELOAD": library, ENV: "tcmalloc"}
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environ)
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environ)
+    except OSError:
+        return
 
 
 def in_use() -> str | None:
-    """The allocator this process was restarted with ("tcmalloc"), where it was."""
-    if os.environ.get(ENV) == "tcmalloc" and "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
-        return "tcmalloc"
-    return None
+    """"tcmalloc" where this process runs on it (mapped: a preload the loader could not
+    take leaves glibc's)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return "tcmalloc" if "libtcmalloc" in maps.read() else None
+    except OSError:
+        return None
 
 
 def device_argument(argv: list[str]) -> str:
-    """The trainer's --device (default "auto"), read from its command line without argparse."""
+    """The trainer's --device (default "auto"), read from its command line without argparse:
+    the last one given, as argparse takes (which is told to take no abbreviation)."""
+    device = "auto"
     for i, arg in enumerate(argv):
         if arg == "--device" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--device="):
-            return arg.split("=", 1)[1]
-    return "auto"
+            device = argv[i + 1]
+        elif arg.startswith("--device="):
+            device = arg.split("=", 1)[1]
+    return device

@@ -543,7 +543,7 @@ def train(config_path: Path, device: str = "auto", deterministic: bool = False) 
         f"{cfg['gradient_accumulation_steps']} on {t.device}"
         + (", computing in bf16" if t.bf16 else "")
         + cpu_kernels_line(t)
-        + (f", host memory from {allocator.in_use()}" if t.device.type == "cpu" and allocator.in_use() else "")
+        + (", host memory from tcmalloc" if t.device.type == "cpu" and allocator.in_use() else "")
         + (" with Liger's kernels" if cfg.get("liger_fused_linear_cross_entropy") else "")
         + (", its decoder layers compiled (the first step waits for the compiler)" if cfg.get("torch_compile") else "")
         + (f" shared by {world.size} processes" if world.size > 1 else "")
@@ -673,7 +673,7 @@ def _stop_on_signal(stop_request: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m overbrainer.trainers.builtin",
+    parser = argparse.ArgumentParser(prog="python -m overbrainer.trainers.builtin", allow_abbrev=False,
                                      description="the built-in trainer, on a run folder's config.yaml")
     parser.add_argument("config", type=Path, help="RUN_DIR/config.yaml")
     # where it computes: the plan's train.device and train.deterministic, which are not
