@@ -8,11 +8,12 @@ lists while the other core waits (`perf`: `_int_malloc`, `unlink_chunk`,
 (`torch.backends.xeon.run_cpu`) preload, took +10.6 and +11.3 % useful tokens/s over
 steps 11-40 in paired runs there, 17 % less peak memory, the same bits (bench/README
 section 4). It has to be in place before the process starts, so the trainer's process
-starts itself again with it preloaded (`os.execv`: the same process id, which the run's
+starts itself again with it preloaded (`os.execve`: the same process id, which the run's
 supervisor and torchrun watch), before torch is imported.
 
-Linux, a CPU run (the plan's device "cpu", or "auto" on a machine without NVIDIA's device
-files), and the library installed (Debian and Ubuntu: `libtcmalloc-minimal4`). Nothing is
+Linux, a CPU run (the plan's device "cpu", or "auto" where no GPU's device files show or
+CUDA_VISIBLE_DEVICES hides them all), and the library installed (Debian and Ubuntu:
+`libtcmalloc-minimal4`). Nothing is
 done where the user chose: an `LD_PRELOAD`, glibc's `MALLOC_*` variables or malloc tunables,
 or ``OVERBRAINER_MALLOC=glibc``, which keeps glibc. This module imports no torch.
 """
@@ -30,10 +31,14 @@ LIBRARIES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")  # gperftools' (the
 QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(2**62)}
 
 
+def glibc_tuned(environ=os.environ) -> bool:
+    """Whether the user set glibc's malloc knobs (its MALLOC_* variables or malloc tunables)."""
+    return any(k.startswith("MALLOC_") for k in environ) or "malloc" in environ.get("GLIBC_TUNABLES", "")
+
+
 def chosen_by_the_user(environ=os.environ) -> bool:
     """Whether the allocator is the user's to say: a preload, glibc's knobs, or ours set."""
-    return bool(environ.get("LD_PRELOAD") or environ.get(ENV)
-                or any(k.startswith("MALLOC_") for k in environ) or "malloc" in environ.get("GLIBC_TUNABLES", ""))
+    return bool(environ.get("LD_PRELOAD") or environ.get(ENV) or glibc_tuned(environ))
 
 
 # a GPU torch may compute on: NVIDIA's driver, WSL2's GPU, ROCm's (torch.cuda there too)

@@ -253,8 +253,9 @@ def keep_freed_memory() -> bool:
 
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
-    chosen = any(k.startswith("MALLOC_") for k in os.environ) or "malloc" in os.environ.get("GLIBC_TUNABLES", "")
-    if chosen or "malloc" in os.environ.get("LD_PRELOAD", ""):
+    from .allocator import glibc_tuned
+
+    if glibc_tuned() or "malloc" in os.environ.get("LD_PRELOAD", ""):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
