@@ -148,6 +148,41 @@ def test_the_trainer_starts_itself_again_with_tcmalloc_on_the_cpu():
     assert (used, mapped) == ("tcmalloc", "True") and len(starts) == 1
 
 
+DESCRIBED = """
+import sys
+from overbrainer.trainers.builtin import allocator
+if sys.argv[1] == "restart":
+    allocator.restart_with_tcmalloc("cpu")
+print(allocator.described(allocator.tcmalloc() if sys.argv[2] == "looked-up" else None))
+"""
+
+
+@pytest.mark.skipif("not glibc_here()", reason="glibc's Linux only")
+def test_the_log_says_where_to_get_tcmalloc_where_it_is_missing():
+    """A CPU run's log names its allocator: tcmalloc where the process runs on it; where none
+    is installed (`described(None)`: what `tcmalloc()` returns then), the packages that have
+    it; no advice where the user chose the allocator."""
+    import os
+
+    from overbrainer.trainers.builtin import allocator
+
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD", allocator.ENV)}
+
+    def said(restart, installed, **env):
+        return subprocess.run([sys.executable, "-c", DESCRIBED, restart, installed], capture_output=True,
+                              text=True, env={**clean, **env}, check=True).stdout.strip()
+
+    advice = said("stay", "missing")
+    assert advice.startswith(", host memory from glibc's malloc") and "libtcmalloc-minimal4" in advice
+    assert "gperftools" in advice
+    assert said("stay", "missing", OVERBRAINER_MALLOC="glibc") == ""
+    assert said("stay", "missing", MALLOC_ARENA_MAX="8") == ""
+    # as the trainer runs: restarted onto tcmalloc where it is installed, else told where to get it
+    expected = ", host memory from tcmalloc" if allocator.tcmalloc() else advice
+    assert said("restart", "looked-up") == expected
+
+
 def test_gradient_checkpointing_gives_the_same_losses(references):
     plain = references.folder(lora_dropout=0.0)
     checkpointed = references.folder(lora_dropout=0.0, gradient_checkpointing=True)

@@ -543,7 +543,7 @@ def train(config_path: Path, device: str = "auto", deterministic: bool = False) 
         f"{cfg['gradient_accumulation_steps']} on {t.device}"
         + (", computing in bf16" if t.bf16 else "")
         + cpu_kernels_line(t)
-        + (", host memory from tcmalloc" if t.device.type == "cpu" and allocator.in_use() else "")
+        + (allocator.described(allocator.tcmalloc()) if t.device.type == "cpu" else "")
         + (" with Liger's kernels" if cfg.get("liger_fused_linear_cross_entropy") else "")
         + (", its decoder layers compiled (the first step waits for the compiler)" if cfg.get("torch_compile") else "")
         + (f" shared by {world.size} processes" if world.size > 1 else "")
