@@ -150,36 +150,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
   // zeros; lse and delta = rowsum(dO ∘ O) by row
   auto lay_out = [&](int64_t task, BFloat16* Qr, BFloat16* Qt, BFloat16* dOr, BFloat16* dOt, BFloat16* Kr,
                      BFloat16* Kt, BFloat16* Vt, float* lse_r, float* delta_r) {
-    const int64_t i = task / KVH, kvh = task % KVH;
-    std::fill(Qr, Qr + R * D, BFloat16(0.0f));
-    std::fill(dOr, dOr + R * D, BFloat16(0.0f));
-    std::fill(lse_r, lse_r + R, 0.0f);
-    std::fill(delta_r, delta_r + R, 0.0f);
+    const int64_t i = task / KVH, kvh = task % KVH, used = T * G;
+    // the buffers come uninitialized: every element is written here, padding as zeros
+    std::fill(Qr + used * D, Qr + R * D, BFloat16(0.0f));
+    std::fill(dOr + used * D, dOr + R * D, BFloat16(0.0f));
+    std::fill(lse_r + used, lse_r + R, 0.0f);
+    std::fill(delta_r + used, delta_r + R, 0.0f);
     for (int64_t t = 0; t < T; ++t) {
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = t * G + g, head = kvh * G + g;
-        const BFloat16* qrow = Qs.row(i, head, t);
         const BFloat16* drow = dOs.row(i, head, t);
-        const BFloat16* orow = Os.row(i, head, t);
-        std::memcpy(Qr + r * D, qrow, sizeof(BFloat16) * D);
+        std::memcpy(Qr + r * D, Qs.row(i, head, t), sizeof(BFloat16) * D);
         std::memcpy(dOr + r * D, drow, sizeof(BFloat16) * D);
-        float sum = 0.0f;
-        for (int64_t d = 0; d < D; ++d) sum += static_cast<float>(drow[d]) * static_cast<float>(orow[d]);
-        delta_r[r] = sum;
+        delta_r[r] = dot(drow, Os.row(i, head, t), D);
         lse_r[r] = L[(i * H + head) * T + t];
       }
     }
     transpose(Qr, R, D, Qt);
     transpose(dOr, R, D, dOt);
-    std::fill(Kr, Kr + Tk * D, BFloat16(0.0f));
-    std::fill(Kt, Kt + Tk * D, BFloat16(0.0f));
-    std::fill(Vt, Vt + Tk * D, BFloat16(0.0f));
-    for (int64_t t = 0; t < T; ++t) {
-      const BFloat16* krow = Ks.row(i, kvh, t);
-      const BFloat16* vrow = Vs.row(i, kvh, t);
-      std::memcpy(Kr + t * D, krow, sizeof(BFloat16) * D);
-      for (int64_t d = 0; d < D; ++d) Kt[d * Tk + t] = krow[d], Vt[d * Tk + t] = vrow[d];
-    }
+    for (int64_t t = 0; t < T; ++t) std::memcpy(Kr + t * D, Ks.row(i, kvh, t), sizeof(BFloat16) * D);
+    std::fill(Kr + T * D, Kr + Tk * D, BFloat16(0.0f));
+    transpose(Kr, Tk, D, Kt);
+    // Vᵀ straight from v's rows (T of them, Vs.t apart), its padding columns zeros
+    transpose(Vs.row(i, kvh, 0), Vs.t, T, D, Vt, Tk);
+    for (int64_t d = 0; d < D; ++d) std::fill(Vt + d * Tk + T, Vt + (d + 1) * Tk, BFloat16(0.0f));
   };
   // a task's keys [k_begin, k_end) of dK and dV (float32 Dx Tk) into dk and dv, in bf16
   auto write_dk_dv = [&](int64_t task, const float* dKt, const float* dVt, int64_t k_begin, int64_t k_end) {
@@ -203,18 +197,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
                                            (int64_t{256} << 20) / std::max<int64_t>(dq_bytes, 1)}));
   if (parts == 1) {  // a task a unit, its layout in its thread's buffers
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<BFloat16> Qr(R * D), Qt(D * R), dOr(R * D), dOt(D * R), Kr(Tk * D), Kt(D * Tk), Vt(D * Tk);
-      std::vector<float> lse_r(R), delta_r(R), dQ(R * D), dKt(D * Tk), dVt(D * Tk);
+      // uninitialized (lay_out writes them whole; the sums are zeroed for each task)
+      auto Qr = buffer<BFloat16>(R * D), Qt = buffer<BFloat16>(D * R), dOr = buffer<BFloat16>(R * D),
+           dOt = buffer<BFloat16>(D * R), Kr = buffer<BFloat16>(Tk * D), Kt = buffer<BFloat16>(D * Tk),
+           Vt = buffer<BFloat16>(D * Tk);
+      auto lse_r = buffer<float>(R), delta_r = buffer<float>(R), dQ = buffer<float>(R * D), dKt = buffer<float>(D * Tk),
+           dVt = buffer<float>(D * Tk);
       for (int64_t task = begin; task < end; ++task) {
-        lay_out(task, Qr.data(), Qt.data(), dOr.data(), dOt.data(), Kr.data(), Kt.data(), Vt.data(), lse_r.data(),
-                delta_r.data());
-        std::fill(dQ.begin(), dQ.end(), 0.0f);
-        std::fill(dKt.begin(), dKt.end(), 0.0f);
-        std::fill(dVt.begin(), dVt.end(), 0.0f);
-        backward_of(Qr.data(), Qt.data(), dOr.data(), dOt.data(), Kr.data(), Kt.data(), Vt.data(), lse_r.data(),
-                    delta_r.data(), dQ.data(), dKt.data(), dVt.data(), R, Tk, D, G, T, scale_f, vnni, 0, Tk);
-        write_dk_dv(task, dKt.data(), dVt.data(), 0, Tk);
-        write_dq(dQ.data(), dQo, task / KVH, task % KVH, H, T, G, D);
+        lay_out(task, Qr.get(), Qt.get(), dOr.get(), dOt.get(), Kr.get(), Kt.get(), Vt.get(), lse_r.get(),
+                delta_r.get());
+        std::fill(dQ.get(), dQ.get() + R * D, 0.0f);
+        std::fill(dKt.get(), dKt.get() + D * Tk, 0.0f);
+        std::fill(dVt.get(), dVt.get() + D * Tk, 0.0f);
+        backward_of(Qr.get(), Qt.get(), dOr.get(), dOt.get(), Kr.get(), Kt.get(), Vt.get(), lse_r.get(),
+                    delta_r.get(), dQ.get(), dKt.get(), dVt.get(), R, Tk, D, G, T, scale_f, vnni, 0, Tk);
+        write_dk_dv(task, dKt.get(), dVt.get(), 0, Tk);
+        write_dq(dQ.get(), dQo, task / KVH, task % KVH, H, T, G, D);
       }
       brgemm_release(vnni);
     });

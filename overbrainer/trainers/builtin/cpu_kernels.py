@@ -25,8 +25,10 @@ BF16_BRGEMM_FLAGS = {"amx_bf16"}
 # -march=native: this machine's vector instructions (a build is kept per kind of CPU);
 # -fno-trapping-math: lets the compiler vectorize the probabilities' loop (selects, floor);
 # -fopenmp: at::parallel_for is inline and runs on one thread without it (the OpenMP runtime
-# is then the one torch loaded, by its soname)
-FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
+# is then the one torch loaded, by its soname); -DCPU_CAPABILITY_AVX512: ATen's vector helpers
+# (the transposes' transpose_mxn) in their AVX-512 form, as inductor builds its kernels (every
+# CPU that gets a build has AVX-512)
+FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-DCPU_CAPABILITY_AVX512"]
 
 SOURCES = ("cpu_attention_forward.cpp", "cpu_attention_backward.cpp", "cpu_token_loss.cpp")
 HEADERS = ("cpu_kernels.h",)
