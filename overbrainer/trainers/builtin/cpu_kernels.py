@@ -27,8 +27,11 @@ BF16_BRGEMM_FLAGS = {"amx_bf16"}
 # -fopenmp: at::parallel_for is inline and runs on one thread without it (the OpenMP runtime
 # is then the one torch loaded, by its soname); -DCPU_CAPABILITY_AVX512: ATen's vector helpers
 # (the transposes' transpose_mxn) in their AVX-512 form, as inductor builds its kernels (every
-# CPU that gets a build has AVX-512)
-FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-DCPU_CAPABILITY_AVX512"]
+# CPU that gets a build has AVX-512); -mprefer-vector-width=512: the loops the compiler
+# vectorizes (the backward's probabilities) in 16 lanes rather than its default 8 on these CPUs
+# (the attention's backward 10-25 % faster, bench/attention.py; the same arithmetic a lane)
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-trapping-math", "-fopenmp",
+         "-DCPU_CAPABILITY_AVX512"]
 
 SOURCES = ("cpu_attention_forward.cpp", "cpu_attention_backward.cpp", "cpu_token_loss.cpp")
 HEADERS = ("cpu_kernels.h",)
