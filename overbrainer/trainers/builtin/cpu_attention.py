@@ -12,9 +12,9 @@ them, and skips what lies above the diagonal. Where a C++ compiler and AMX are a
 kernels built on first use:
 
 - the forward (`cpu_attention_forward.cpp`): sdpa's CPU flash kernel's speed alone
-  (0.9-1.1x, bench/attention.py), 1.6x in a compiled training step, where its inputs come
+  (1.1-1.3x since 2026-12-08, bench/attention.py), 1.6x in a compiled training step, where its inputs come
   cold from the projections (train.profile: 64 ms a step against 103);
-- the backward (`cpu_attention_backward.cpp`): 1.6 to 5.4 times sdpa's backward
+- the backward (`cpu_attention_backward.cpp`): 2.7 to 6 times sdpa's backward
   (bench/attention.py), any length.
 
 Elsewhere the forward is sdpa's own CPU flash kernel, and the backward is Python's
