@@ -327,7 +327,7 @@ def builtin_allocator() -> tuple[str, dict]:
 
     library = allocator.to_preload("cpu")
     if library:
-        return "tcmalloc", {**allocator.QUIET, "LD_PRELOAD": library, allocator.ENV: "tcmalloc"}
+        return "tcmalloc", allocator.preloaded(library)
     return "glibc keeping freed memory", KEEP_FREED_MEMORY
 
 

@@ -105,6 +105,17 @@ def test_the_allocator_settings_change_no_bit(project, references):
     assert (Path(report["folder"]) / final).read_bytes() == (reference / final).read_bytes()
 
 
+def allocator_left_alone() -> dict:
+    """This environment without the allocator choices a user could have made (a preload,
+    glibc's knobs, OVERBRAINER_MALLOC): what the trainer decides for itself from."""
+    import os
+
+    from overbrainer.trainers.builtin import allocator
+
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD", allocator.ENV)}
+
+
 RESTARTED = """
 import os, sys
 from overbrainer.trainers.builtin import allocator
@@ -120,14 +131,11 @@ def test_the_trainer_starts_itself_again_with_tcmalloc_on_the_cpu():
     it preloaded, as the same process (the supervisor and torchrun watch its id), before torch
     loads; not on a GPU, nor where the user chose (an LD_PRELOAD, glibc's MALLOC_ variables,
     OVERBRAINER_MALLOC=glibc)."""
-    import os
-
     from overbrainer.trainers.builtin import allocator
 
     if allocator.tcmalloc() is None:
         pytest.skip("tcmalloc is not installed here (Debian's libtcmalloc-minimal4; .ci/run installs it)")
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD", allocator.ENV)}
+    clean = allocator_left_alone()
 
     def run(device, **env):
         out = subprocess.run([sys.executable, "-c", RESTARTED, device], capture_output=True, text=True,
@@ -162,12 +170,9 @@ def test_the_log_says_where_to_get_tcmalloc_where_it_is_missing():
     """A CPU run's log names its allocator: tcmalloc where the process runs on it; where none
     is installed (`described(None)`: what `tcmalloc()` returns then), the packages that have
     it; no advice where the user chose the allocator."""
-    import os
-
     from overbrainer.trainers.builtin import allocator
 
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD", allocator.ENV)}
+    clean = allocator_left_alone()
 
     def said(restart, installed, **env):
         return subprocess.run([sys.executable, "-c", DESCRIBED, restart, installed], capture_output=True,

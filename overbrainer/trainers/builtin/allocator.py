@@ -41,6 +41,11 @@ def chosen_by_the_user(environ=os.environ) -> bool:
     return bool(environ.get("LD_PRELOAD") or environ.get(ENV) or glibc_tuned(environ))
 
 
+def ours_to_choose() -> bool:
+    """Whether the trainer picks the allocator: on Linux, where the user did not."""
+    return platform.system() == "Linux" and not chosen_by_the_user()
+
+
 # a GPU torch may compute on: NVIDIA's driver, WSL2's GPU, ROCm's (torch.cuda there too)
 GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
 
@@ -71,9 +76,15 @@ def tcmalloc() -> str | None:
 def to_preload(device: str) -> str | None:
     """The tcmalloc the trainer's process restarts with for this --device, here and now;
     None where it does not (not Linux, not the CPU, the user's choice, none installed)."""
-    if platform.system() != "Linux" or chosen_by_the_user() or not computes_on_the_cpu(device):
+    if not ours_to_choose() or not computes_on_the_cpu(device):
         return None
     return tcmalloc()
+
+
+def preloaded(library: str) -> dict[str, str]:
+    """The environment a process starts with to run on this tcmalloc (the restart's; the
+    benchmark gives TRL's process the same)."""
+    return {**QUIET, "LD_PRELOAD": library, ENV: "tcmalloc"}
 
 
 def restart_with_tcmalloc(device: str) -> None:
@@ -84,7 +95,7 @@ def restart_with_tcmalloc(device: str) -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    environ = {**os.environ, **QUIET, "LD_PRELOAD": library, ENV: "tcmalloc"}
+    environ = {**os.environ, **preloaded(library)}
     try:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environ)
     except OSError:
@@ -97,7 +108,7 @@ def described(installed: str | None) -> str:
     get it, as PyTorch's CPU launcher warns when it finds none."""
     if in_use():
         return ", host memory from tcmalloc"
-    if installed is None and platform.system() == "Linux" and not chosen_by_the_user():
+    if installed is None and ours_to_choose():
         return (", host memory from glibc's malloc (training on the CPU is ~10 % faster on tcmalloc: "
                 "install it, as Debian's and Ubuntu's libtcmalloc-minimal4 or conda's gperftools)")
     return ""
